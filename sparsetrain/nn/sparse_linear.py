@@ -1,0 +1,203 @@
+"""SparseLinear: a drop-in ``nn.Linear`` whose weight is block-sparse, in a pluggable storage format.
+
+>>> lin = torch.nn.Linear(64, 32)
+>>> sl = SparseLinear.from_dense(lin, density=0.25, block=Block(8, 8), generator=torch.Generator().manual_seed(0))
+>>> sl.density
+0.25
+>>> sl(torch.randn(5, 64)).shape
+torch.Size([5, 32])
+
+The state dict always holds ``weight`` (dense, zeros outside the mask — or the dense master weight for
+straight-through 2:4 training), ``mask`` (bool block grid) and ``bias``, whatever the storage format, so
+checkpoints move between formats and ``save_pretrained`` writes a dense checkpoint with zeros.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from sparsetrain.nn.formats import WeightFormat, get_format
+from sparsetrain.sparsity.layout import (
+    Block,
+    grid_shape,
+    n_active_blocks,
+    random_mask,
+    to_element_mask,
+)
+
+
+class SparseLinear(nn.Module):
+    """Linear layer ``y = x W_effᵀ + b`` with ``W_eff`` zero outside the active blocks of ``mask``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        block: Block | int | str = 1,
+        mask: Tensor | None = None,
+        weight: Tensor | None = None,
+        format: str | WeightFormat = "masked",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.in_features = int(in_features)
+        self.out_features = int(out_features)
+        self.block = Block.parse(block)
+        grid = grid_shape((self.out_features, self.in_features), self.block)
+        if weight is None:
+            ref = nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+            weight = ref.weight.detach()
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({out_features}, {in_features})")
+        if mask is None:
+            mask = torch.ones(grid, dtype=torch.bool)
+        mask = mask.to(torch.bool)
+        if tuple(mask.shape) != grid:
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected block grid {grid} for block {self.block}")
+        self.register_buffer("mask", mask.clone().to(weight.device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=weight.device, dtype=weight.dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.capture_dense_grad = False
+        self.dense_grad: Tensor | None = None
+        self.storage: WeightFormat = get_format(format)
+        self.storage.setup(self, weight, self.mask)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        mask: Tensor | None = None,
+        *,
+        density: float | None = None,
+        block: Block | int | str = 1,
+        format: str | WeightFormat = "masked",
+        generator: torch.Generator | None = None,
+        init: str = "random",
+    ) -> SparseLinear:
+        """Wrap an ``nn.Linear``. Give a block ``mask``, or a ``density`` and an ``init`` rule:
+        ``"random"`` (uniform over blocks, from ``generator``) or ``"magnitude"`` (largest block L1 norms)."""
+        block = Block.parse(block)
+        w = linear.weight.detach()
+        if mask is None:
+            grid = grid_shape(w.shape, block)
+            k = n_active_blocks(w.shape, block, 1.0 if density is None else density)
+            if init == "random":
+                gen = generator if generator is not None else torch.Generator().manual_seed(0)
+                mask = random_mask(grid, k, gen)
+            elif init == "magnitude":
+                from sparsetrain.sparsity.layout import block_reduce, topk_mask
+
+                mask = topk_mask(block_reduce(w.abs().float().cpu(), block), k)
+            else:
+                raise ValueError(f"init must be 'random' or 'magnitude', got {init!r}")
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, block=block,
+                    mask=mask, weight=w, format=format)
+        if linear.bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def to_dense(self) -> nn.Linear:
+        """An ``nn.Linear`` carrying ``W_eff`` (zeros outside the mask)."""
+        w = self.dense_weight()
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if self.bias is not None:
+                lin.bias.copy_(self.bias.detach())
+        return lin
+
+    # ---- the module ---------------------------------------------------------------------------
+    def forward(self, x: Tensor) -> Tensor:
+        return self.storage.forward(self, x)
+
+    def dense_weight(self) -> Tensor:
+        return self.storage.dense_weight(self)
+
+    def weight_parameter(self) -> nn.Parameter:
+        return self.storage.weight_parameter(self)
+
+    def element_mask(self) -> Tensor:
+        return to_element_mask(self.mask, self.block)
+
+    def set_mask(self, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Rewrite the topology (see :mod:`sparsetrain.nn.formats` for what happens to weights/moments)."""
+        if tuple(new_mask.shape) != tuple(self.mask.shape):
+            raise ValueError(f"new mask shape {tuple(new_mask.shape)} != {tuple(self.mask.shape)}")
+        self.storage.set_mask(self, new_mask.to(torch.bool), optimizer)
+
+    def set_format(self, format: str | WeightFormat, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Move to another storage format (e.g. masked -> block on GPU). Call before building the optimizer,
+        or pass it: the old weight parameter's optimizer state is dropped."""
+        weight, mask = self.storage.state_weight(self).clone(), self.mask.clone()
+        old = self.weight_parameter()
+        for name in ("weight", "values"):
+            if name in self._parameters:
+                del self._parameters[name]
+        if optimizer is not None:
+            optimizer.state.pop(old, None)
+        self.storage = get_format(format)
+        self.storage.setup(self, weight, mask)
+
+    @property
+    def density(self) -> float:
+        """Fraction of active weights."""
+        return float(self.mask.float().mean().item())
+
+    @property
+    def n_active(self) -> int:
+        return int(self.mask.sum().item())
+
+    @property
+    def format_name(self) -> str:
+        return self.storage.name
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"block={self.block}, density={self.density:.4f}, format={self.storage.extra_repr()}")
+
+    # ---- state dict: always dense weight + mask -----------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.storage.state_weight(self) if not keep_vars else \
+            self.storage.state_weight(self)
+        destination[prefix + "mask"] = self.mask if keep_vars else self.mask.detach().clone()
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        wkey, mkey, bkey = prefix + "weight", prefix + "mask", prefix + "bias"
+        if wkey not in state_dict:
+            missing_keys.append(wkey)
+            return
+        weight = state_dict[wkey]
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"size mismatch for {wkey}: {tuple(weight.shape)} vs "
+                              f"({self.out_features}, {self.in_features})")
+            return
+        if mkey in state_dict:
+            mask = state_dict[mkey].to(torch.bool)
+            if tuple(mask.shape) != tuple(self.mask.shape):
+                error_msgs.append(f"size mismatch for {mkey}: {tuple(mask.shape)} vs {tuple(self.mask.shape)}")
+                return
+        else:
+            # A dense checkpoint (e.g. from save_pretrained): keep this layer's topology.
+            missing_keys.append(mkey)
+            mask = self.mask
+        self.storage.load(self, weight, mask)
+        if self.bias is not None:
+            if bkey in state_dict:
+                with torch.no_grad():
+                    self.bias.copy_(state_dict[bkey])
+            else:
+                missing_keys.append(bkey)
+        for key in state_dict:
+            if key.startswith(prefix) and "." not in key[len(prefix):] and key not in (wkey, mkey, bkey):
+                unexpected_keys.append(key)
