@@ -196,3 +196,11 @@ class MaskedFormat(WeightFormat):
 
     def extra_repr(self) -> str:
         return "masked" + (", straight_through" if self.straight_through else "")
+
+
+@register_format("masked_st")
+class MaskedStraightThrough(MaskedFormat):
+    """``masked`` with ``straight_through=True``: the CPU reference for 2:4 sparse-then-dense training."""
+
+    def __init__(self) -> None:
+        super().__init__(straight_through=True)

@@ -1,0 +1,99 @@
+"""Swap ``nn.Linear`` layers of any model (BERT, ViT, any transformers model) for SparseLinear, and back.
+
+>>> from transformers import BertConfig, BertForMaskedLM
+>>> model = BertForMaskedLM(BertConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+...                                    intermediate_size=128, vocab_size=100))
+>>> layers = sparsify(model, targets=["*.intermediate.dense"], density=0.25, block=16)
+>>> list(layers)
+['bert.encoder.layer.0.intermediate.dense']
+"""
+from __future__ import annotations
+
+import fnmatch
+import zlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from sparsetrain.nn.formats import WeightFormat
+from sparsetrain.nn.sparse_linear import SparseLinear
+from sparsetrain.sparsity.distributions import layer_densities
+from sparsetrain.sparsity.layout import Block, check_density, grid_shape
+
+#: Layers that stay dense unless named explicitly: embeddings, the MLM head / classifier, poolers.
+#: (Norms and biases are never sparsified: only nn.Linear weights are.)
+DEFAULT_EXCLUDE = ("*embeddings*", "*cls.predictions*", "*lm_head*", "*classifier*", "*pooler*")
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def select_linears(model: nn.Module, targets: Sequence[str] = ("*",),
+                   exclude: Sequence[str] = DEFAULT_EXCLUDE) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` modules whose fully-qualified names match a target glob and no exclude glob."""
+    if isinstance(targets, str) or isinstance(exclude, str):
+        raise TypeError("targets and exclude must be lists of globs, not a single string")
+    linears = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    chosen = {n: m for n, m in linears.items() if _matches(n, targets) and not _matches(n, exclude)}
+    for pattern in targets:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in linears):
+            raise ValueError(f"targets entry {pattern!r} matches no nn.Linear layer in {type(model).__name__} "
+                             f"(examples of layer names: {list(linears)[:4]})")
+    if not chosen:
+        raise ValueError(f"targets {list(targets)} with exclude {list(exclude)} select no layer of "
+                         f"{type(model).__name__}")
+    return chosen
+
+
+def sparsify(
+    model: nn.Module,
+    targets: Sequence[str] = ("*",),
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
+    *,
+    density: float | dict[str, float] = 1.0,
+    distribution: str = "uniform",
+    density_overrides: dict[str, float] | None = None,
+    block: Block | int | str = 1,
+    format: str | WeightFormat = "masked",
+    init: str = "random",
+    seed: int = 0,
+) -> dict[str, SparseLinear]:
+    """Replace the selected linears in place; return ``{name: SparseLinear}``.
+
+    ``density`` is a global target spread by ``distribution`` (uniform / er / erk) with
+    ``density_overrides`` ({glob: density}), or an explicit ``{name: density}``. Initial masks are random
+    (seeded per layer from ``seed`` and the layer name, so identical on every rank) or by magnitude.
+    """
+    block = Block.parse(block)
+    chosen = select_linears(model, targets, exclude)
+    for name, lin in chosen.items():
+        grid_shape(lin.weight.shape, block)  # raises naming the shapes when the block does not divide
+    shapes = {n: tuple(m.weight.shape) for n, m in chosen.items()}
+    if isinstance(density, dict):
+        densities = {n: check_density(density.get(n, 1.0), f"density[{n!r}]") for n in chosen}
+    else:
+        densities = layer_densities(shapes, check_density(density), distribution, density_overrides)
+    out = {}
+    for name, lin in chosen.items():
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        layer = SparseLinear.from_dense(lin, density=densities[name], block=block, format=format,
+                                        generator=gen, init=init)
+        _set_submodule(model, name, layer)
+        out[name] = layer
+    return out
+
+
+def densify(model: nn.Module) -> nn.Module:
+    """Replace every SparseLinear by an ``nn.Linear`` carrying its weight with zeros. In place; returns model."""
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, SparseLinear):
+            _set_submodule(model, name, mod.to_dense())
+    return model
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)

@@ -1,0 +1,367 @@
+"""Sparsity schedulers: one small interface the training loop calls after each optimizer step.
+
+    sched.attach(model, optimizer, total_steps)   # once, after sparsify() and the optimizer exist
+    for step in range(1, total_steps + 1):        # optimizer steps (gradient accumulation aware)
+        ... forward / backward / optimizer.step() ...
+        record = sched.step(step)                 # None, or a dict saying what changed
+    sched.state_dict() / sched.load_state_dict()  # in every checkpoint
+
+Masks themselves live in the model (each SparseLinear's ``mask`` buffer), so they travel with the model
+state; a scheduler's own state is its step counter and its policy's state.
+Determinism: random choices use a CPU generator seeded from (seed, step, layer index) — identical on every
+data-parallel rank and after a resume. Gradient scores are all-reduced before choosing.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsetrain.sparsity.layout import check_density, n_active_blocks, to_scores_grid
+from sparsetrain.sparsity.nm import NM
+from sparsetrain.sparsity.policies import Magnitude, Policy, get_policy
+from sparsetrain.sparsity.schedules import CubicDensity, UpdateSchedule, make_drop_schedule
+from sparsetrain.sparsity.update import prune_to, update_mask
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparsetrain.nn.sparse_linear import SparseLinear
+
+
+def sparse_layers(model: nn.Module) -> dict[str, SparseLinear]:
+    from sparsetrain.nn.sparse_linear import SparseLinear  # lazy: sparsetrain.nn imports this package
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
+
+
+def _check_fraction(value: float, name: str) -> float:
+    v = float(value)
+    if not 0.0 <= v <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+    return v
+
+
+class SparsityScheduler:
+    """Base class. Subclasses override ``_update(step)`` and, if needed, ``initial_density``."""
+
+    #: False for schedulers that keep the model dense (no sparsify)
+    sparse: bool = True
+    name: str = "base"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = int(seed)
+        self.step_count = 0
+        self.layers: dict[str, SparseLinear] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.total_steps = 0
+        self._density: float | None = None
+
+    # -- what sparsify() should start from -------------------------------------------------------
+    def initial_density(self, target: float) -> float:
+        """Density each layer starts at, given its target density."""
+        return target
+
+    def initial_format(self, requested: str) -> str:
+        return requested
+
+    # -- the interface ----------------------------------------------------------------------------
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               total_steps: int = 1) -> SparsityScheduler:
+        if int(total_steps) < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        self.model = model
+        self.layers = sparse_layers(model)
+        if self.sparse and not self.layers:
+            raise ValueError(f"{type(self).__name__} found no SparseLinear layer: call sparsify(model, ...) first")
+        self.optimizer = optimizer
+        self.total_steps = int(total_steps)
+        self._on_attach()
+        self._arm(self.step_count + 1)
+        self._density = None
+        return self
+
+    def step(self, step: int | None = None) -> dict[str, Any] | None:
+        """Call after optimizer step number ``step`` (1-based). Returns a record when masks changed."""
+        self.step_count = self.step_count + 1 if step is None else int(step)
+        record = self._update(self.step_count)
+        if record is not None:
+            self._density = None
+            record.setdefault("step", self.step_count)
+        self._arm(self.step_count + 1)
+        return record
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "step": self.step_count, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"checkpoint holds sparsity state of {state.get('name')!r}, this run uses {self.name!r}")
+        self.step_count = int(state["step"])
+        self.seed = int(state["seed"])
+        self._arm(self.step_count + 1)
+
+    @property
+    def density(self) -> float:
+        """Overall density of the sparse layers (1.0 when there are none)."""
+        if self._density is None:
+            tot = sum(m.in_features * m.out_features for m in self.layers.values())
+            act = sum(m.n_active * m.block.numel for m in self.layers.values())
+            self._density = act / tot if tot else 1.0
+        return self._density
+
+    def describe(self) -> str:
+        return self.name
+
+    # -- hooks for subclasses ---------------------------------------------------------------------
+    def _on_attach(self) -> None:
+        pass
+
+    def _update(self, step: int) -> dict[str, Any] | None:
+        return None
+
+    def _arm(self, next_step: int) -> None:
+        """Ask layers for their dense gradient on the next step if it is an update step that needs it."""
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _generator(self, step: int, index: int) -> torch.Generator:
+        return torch.Generator().manual_seed((self.seed * 1_000_003 + step * 7_919 + index) % (2**63 - 1))
+
+
+class Dense(SparsityScheduler):
+    """No sparsity at all: the dense baseline."""
+
+    sparse = False
+    name = "dense"
+
+
+class Static(SparsityScheduler):
+    """The mask chosen at initialisation (random or magnitude, see ``sparsify(init=...)``) never changes."""
+
+    name = "static"
+
+
+class PruneRegrow(SparsityScheduler):
+    """Every ΔT steps between start and end: drop a fraction of the active blocks by the policy's drop score
+    (magnitude: block L1 norm) and regrow as many inactive blocks by its grow score (random = SET,
+    gradient = RigL). The active count is exactly constant.
+
+    ``num_updates`` spaces that many updates evenly over ``[start, end)`` (Graphcore: 160); alternatively
+    give ``interval``. ``start``/``end`` are fractions of training. ``drop_fraction`` follows
+    ``drop_schedule`` (constant, cosine, linear) down to 0 at ``end``.
+    """
+
+    name = "prune_regrow"
+
+    def __init__(self, policy: str | Policy = "set", drop_fraction: float = 0.5, drop_schedule: str = "cosine",
+                 num_updates: int | None = None, interval: int | None = None, start: float = 0.0,
+                 end: float = 1.0, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.policy = get_policy(policy)
+        self.drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
+        make_drop_schedule(drop_schedule, self.drop_fraction, 1)  # validate the name now
+        self.drop_schedule_name = drop_schedule
+        if num_updates is not None and interval is not None:
+            raise ValueError("give num_updates or interval, not both")
+        if num_updates is None and interval is None:
+            num_updates = 160  # Graphcore's dynamic sparse BERT
+        if num_updates is not None and int(num_updates) < 1:
+            raise ValueError(f"num_updates must be >= 1, got {num_updates}")
+        if interval is not None and int(interval) < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        self.num_updates, self.interval = num_updates, interval
+        self.start, self.end = _check_fraction(start, "start"), _check_fraction(end, "end")
+        if self.end <= self.start:
+            raise ValueError(f"end ({end}) must be after start ({start})")
+
+    @property
+    def method(self) -> str:
+        return f"prune_regrow/{self.policy.name}"
+
+    def describe(self) -> str:
+        return self.method
+
+    def _on_attach(self) -> None:
+        s, e = int(self.start * self.total_steps), max(1, int(round(self.end * self.total_steps)))
+        if self.num_updates is not None:
+            n = min(int(self.num_updates), max(1, e - s - 1))
+            self.schedule = UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
+        else:
+            self.schedule = UpdateSchedule(s, e, int(self.interval))
+        self.drop_fn = make_drop_schedule(self.drop_schedule_name, self.drop_fraction, end_step=e, start_step=s)
+
+    def _arm(self, next_step: int) -> None:
+        if not self.policy.needs_grad or not self.layers:
+            return
+        want = self.schedule.is_update_step(next_step)
+        for layer in self.layers.values():
+            layer.capture_dense_grad = want
+            if not want:
+                layer.dense_grad = None
+
+    def _update(self, step: int) -> dict[str, Any] | None:
+        if not self.schedule.is_update_step(step):
+            return None
+        frac = self.drop_fn(step)
+        grads = self._reduced_grads() if self.policy.needs_grad else {}
+        pruned = regrown = 0
+        for i, (name, layer) in enumerate(self.layers.items()):
+            w, mask = layer.dense_weight(), layer.mask
+            g = grads.get(name)
+            self.policy.generator = self._generator(step, i)
+            self.policy.layer = name
+            drop = to_scores_grid(self.policy.drop_scores(w, g, mask), w.shape, layer.block)
+            grow = to_scores_grid(self.policy.grow_scores(w, g, mask), w.shape, layer.block)
+            n = int(round(frac * layer.n_active))
+            u = update_mask(mask, drop.to(mask.device), grow.to(mask.device), n)
+            if u.n_dropped:
+                layer.set_mask(u.mask, self.optimizer)
+            pruned += u.n_dropped
+            regrown += u.n_grown
+            layer.dense_grad = None
+        return {"event": "mask_update", "pruned": pruned, "regrown": regrown, "drop_fraction": frac}
+
+    def _reduced_grads(self) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name, layer in self.layers.items():
+            if layer.dense_grad is None:
+                raise RuntimeError(f"layer {name}: no dense gradient was captured for this update step")
+            g = layer.dense_grad
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(g)
+            grads[name] = g
+        return grads
+
+    def state_dict(self):
+        return {**super().state_dict(), "policy": self.policy.state_dict()}
+
+    def load_state_dict(self, state):
+        self.policy.load_state_dict(state.get("policy", {}))
+        super().load_state_dict(state)
+
+
+class GradualMagnitude(SparsityScheduler):
+    """Zhu & Gupta (2017): prune by magnitude from ``initial_density`` to each layer's target density along
+    a cubic schedule, at ``num_updates`` evenly spaced steps in ``[start, end)`` of training."""
+
+    name = "gradual_magnitude"
+
+    def __init__(self, initial_density: float = 1.0, num_updates: int = 100, start: float = 0.0,
+                 end: float = 0.75, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.initial = check_density(initial_density, "initial_density")
+        if int(num_updates) < 1:
+            raise ValueError(f"num_updates must be >= 1, got {num_updates}")
+        self.num_updates = int(num_updates)
+        self.start, self.end = _check_fraction(start, "start"), _check_fraction(end, "end")
+        if self.end <= self.start:
+            raise ValueError(f"end ({end}) must be after start ({start})")
+        self.targets: dict[str, float] = {}
+        self.policy = Magnitude()
+
+    def initial_density(self, target: float) -> float:
+        return max(self.initial, target)
+
+    def set_targets(self, targets: dict[str, float]) -> None:
+        """Final density per layer name (from the distribution); set before ``attach``."""
+        self.targets = dict(targets)
+
+    def _on_attach(self) -> None:
+        for name, layer in self.layers.items():
+            if layer.format_name not in ("masked",):
+                raise ValueError(f"gradual_magnitude needs sparsity.format=masked (layer {name} uses "
+                                 f"{layer.format_name!r}): its active count shrinks")
+            self.targets.setdefault(name, layer.density)
+        s, e = int(self.start * self.total_steps), max(1, int(round(self.end * self.total_steps)))
+        n = min(self.num_updates, max(1, e - s - 1))
+        self.schedule = UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
+        self.cubic = {name: CubicDensity(self.initial_density(t), t, s, e) for name, t in self.targets.items()}
+
+    def _update(self, step):
+        if not (self.schedule.is_update_step(step) or step == self.schedule.end):
+            return None
+        pruned = 0
+        for name, layer in self.layers.items():
+            k = n_active_blocks(layer.dense_weight().shape, layer.block, self.cubic[name](step))
+            if k >= layer.n_active:
+                continue
+            w = layer.dense_weight()
+            scores = to_scores_grid(self.policy.drop_scores(w, None, layer.mask), w.shape, layer.block)
+            u = prune_to(layer.mask, scores.to(layer.mask.device), k)
+            layer.set_mask(u.mask, self.optimizer)
+            pruned += u.n_dropped
+        return {"event": "mask_update", "pruned": pruned, "regrown": 0, "drop_fraction": 0.0}
+
+
+class SparseThenDense(SparsityScheduler):
+    """2:4 phase for the first ``sparse_fraction`` of training: the transposable 2:4 mask is recomputed from
+    the current dense weights every step while the dense weights keep receiving the (straight-through)
+    gradient; then every layer becomes a plain ``nn.Linear`` reusing the same Parameters, so the optimizer
+    is untouched."""
+
+    name = "sparse_then_dense"
+
+    def __init__(self, sparse_fraction: float = 0.7, n: int = 2, m: int = 4, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.sparse_fraction = _check_fraction(sparse_fraction, "sparse_fraction")
+        self.nm = NM(n, m, transposable=True)
+        self.switched = False
+
+    def initial_density(self, target: float) -> float:
+        return 1.0
+
+    def _on_attach(self) -> None:
+        for name, layer in self.layers.items():
+            if layer.block.numel != 1:
+                raise ValueError(f"sparse_then_dense needs sparsity.block=1 (layer {name} has {layer.block})")
+            if not getattr(layer.storage, "straight_through", False):
+                raise ValueError(f"sparse_then_dense needs a straight-through format (sparsity.format=2:4 or "
+                                 f"masked_st); layer {name} uses {layer.format_name!r}")
+        self.phase_end = int(round(self.sparse_fraction * self.total_steps))
+        if self.step_count < self.phase_end:
+            self._recompute()
+        else:
+            self._switch()
+
+    def _recompute(self) -> None:
+        for layer in self.layers.values():
+            if getattr(layer.storage, "recompute_every_forward", False):
+                continue  # the 2:4 kernel format derives the mask inside its forward
+            layer.set_mask(self.nm.mask(layer.weight_parameter().detach()), self.optimizer)
+
+    def _switch(self) -> None:
+        for name in list(self.layers):
+            parent_name, _, child = name.rpartition(".")
+            parent = self.model.get_submodule(parent_name) if parent_name else self.model
+            old = self.layers[name]
+            lin = nn.Linear(old.in_features, old.out_features, bias=old.bias is not None,
+                            device=old.weight_parameter().device, dtype=old.weight_parameter().dtype)
+            # reuse the Parameters themselves: the optimizer keeps its state
+            lin.weight = old.weight_parameter()
+            if old.bias is not None:
+                lin.bias = old.bias
+            setattr(parent, child, lin)
+        self.layers = {}
+        self._density = None
+        self.switched = True
+
+    @property
+    def density(self) -> float:
+        return 1.0 if self.switched else self.nm.density
+
+    def _update(self, step):
+        if self.switched:
+            return None
+        if step >= self.phase_end:
+            self._switch()
+            return {"event": "phase_switch", "phase": "dense", "pruned": 0, "regrown": 0}
+        self._recompute()
+        return None
+
+    def state_dict(self):
+        return {**super().state_dict(), "switched": self.switched}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        if state.get("switched") and not self.switched and self.layers:
+            self._switch()
