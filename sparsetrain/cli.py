@@ -1,0 +1,176 @@
+"""The ``sparsetrain`` command: train | recipes | flops | pareto | bench | export.
+
+    sparsetrain train recipe=quickstart                      # one run (Hydra overrides follow)
+    sparsetrain train -m recipe=quickstart sparsity.density=0.05,0.1,0.2   # a sweep (Hydra multirun)
+    sparsetrain recipes                                      # list recipes
+    sparsetrain flops recipe=bert_phase1_dynamic             # per-layer FLOPs, dense vs sparse
+    sparsetrain pareto multirun/quickstart/... --out pareto.png
+    sparsetrain bench blocksparse|semi24|inference           # GPU benchmarks (ratios vs dense, one run)
+    sparsetrain export RUN_DIR --format hf|sparse --out DIR
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+USAGE = __doc__
+
+
+def _check_recipe(argv: Sequence[str]) -> int | None:
+    from sparsetrain.config import list_recipes
+
+    for a in argv:
+        if a.startswith("recipe="):
+            names = [n.strip() for n in a.split("=", 1)[1].split(",")]
+            recipes = list_recipes()
+            unknown = [n for n in names if n not in recipes]
+            if unknown:
+                print(f"error: unknown recipe {unknown[0]!r}. Recipes:", file=sys.stderr)
+                for name, desc in recipes.items():
+                    print(f"  {name:<28} {desc}", file=sys.stderr)
+                return 2
+    return None
+
+
+def cmd_train(argv: Sequence[str]) -> int:
+    import hydra
+
+    from sparsetrain.config import config_dir, register_recipes
+
+    bad = _check_recipe(argv)
+    if bad is not None:
+        return bad
+    register_recipes()
+
+    @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
+    def _app(cfg) -> float | None:
+        from sparsetrain.config import ConfigError, build_run, run_dir_from_hydra
+        from sparsetrain.training.checkpoint import CheckpointError
+        from sparsetrain.training.loop import RunDirError, train
+
+        try:
+            spec = build_run(cfg)
+            summary = train(spec, run_dir_from_hydra())
+        except (ConfigError, CheckpointError, RunDirError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        except ValueError as e:  # structural problems found while building (block/targets vs the model)
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        return summary.get("final_eval_loss")
+
+    saved = sys.argv
+    sys.argv = ["sparsetrain train", *argv]
+    try:
+        _app()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def cmd_recipes(argv: Sequence[str]) -> int:
+    from sparsetrain.config import list_recipes, recipes_dir
+
+    recipes = list_recipes()
+    width = max(len(n) for n in recipes)
+    print(f"recipes ({recipes_dir()}):")
+    for name, desc in recipes.items():
+        print(f"  {name:<{width}}  {desc}")
+    print("\nrun one with: sparsetrain train recipe=NAME [overrides]")
+    return 0
+
+
+def cmd_flops(argv: Sequence[str]) -> int:
+    from omegaconf import OmegaConf
+
+    from sparsetrain import flops
+    from sparsetrain.config import ConfigError, build_run, compose
+    from sparsetrain.nn.sparsify import select_linears, sparsify
+    from sparsetrain.sparsity.distributions import layer_densities
+
+    bad = _check_recipe(argv)
+    if bad is not None:
+        return bad
+    try:
+        cfg = compose(list(argv))
+        spec = build_run(cfg)
+        model = spec.build_model()
+        if spec.scheduler.sparse:
+            kw = dict(spec.sparsify_kwargs)
+            chosen = select_linears(model, kw["targets"], kw["exclude"])
+            dens = layer_densities({n: tuple(m.weight.shape) for n, m in chosen.items()}, kw.pop("density"),
+                                   kw.pop("distribution"), kw.pop("density_overrides"))
+            if spec.scheduler.name == "sparse_then_dense":
+                dens = {n: 0.5 for n in dens}
+            kw["format"] = "masked"
+            sparsify(model, density=dens, **kw)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t = cfg.trainer
+    global_batch = t.batch_size * t.grad_accum
+    seq = OmegaConf.select(cfg, "data.seq_len")
+    img = OmegaConf.select(cfg, "data.image_size")
+    report = flops.count_step_flops(model, batch_size=global_batch, seq_len=seq, image_size=img)
+    print(f"recipe: {cfg.recipe_info.name}   method: {spec.method}   steps: {t.max_steps}")
+    print(report.format_table())
+    total_dense = report.dense_total * t.max_steps
+    total_sparse = report.sparse_total * t.max_steps
+    print(f"\ntraining total ({t.max_steps} steps): dense {total_dense:.3e}  sparse {total_sparse:.3e}  "
+          f"(x{total_sparse / total_dense:.3f}; RigL adds {report.rigl_update_extra:.3e} per update step)")
+    return 0
+
+
+def cmd_pareto(argv: Sequence[str]) -> int:
+    from sparsetrain import pareto
+
+    return pareto.main(list(argv))
+
+
+BENCHES = {"blocksparse": "bench_blocksparse.py", "semi24": "bench_semi24.py", "inference": "bench_inference.py"}
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    import runpy
+
+    if not argv or argv[0] not in BENCHES:
+        print(f"usage: sparsetrain bench {{{'|'.join(BENCHES)}}} [args]  (needs a CUDA GPU)", file=sys.stderr)
+        return 2
+    script = Path(__file__).resolve().parent.parent / "scripts" / BENCHES[argv[0]]
+    if not script.is_file():
+        print(f"error: {script} not found: benchmarks run from a source checkout", file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = [str(script), *argv[1:]]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def cmd_export(argv: Sequence[str]) -> int:
+    from sparsetrain.export import main as export_main
+
+    return export_main(list(argv))
+
+
+COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "flops": cmd_flops, "pareto": cmd_pareto,
+            "bench": cmd_bench, "export": cmd_export}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    cmd = argv[0]
+    if cmd not in COMMANDS:
+        print(f"error: unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    return COMMANDS[cmd](argv[1:]) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

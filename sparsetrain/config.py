@@ -1,0 +1,333 @@
+"""The one place Hydra is touched: find configs and recipes, compose, validate, instantiate.
+
+Below this module nothing sees a DictConfig: :func:`build_run` turns a composed config into plain
+objects (model, scheduler, optimizer factory, data builder, :class:`~sparsetrain.training.loop.TrainArgs`).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the offending key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+# ---- where configs live --------------------------------------------------------------------------
+def _resource_dir(package: str, fallback: str) -> Path:
+    """Installed wheels ship configs/ and recipes/ as package data (sparsetrain.configs / .recipes);
+    a source checkout uses the top-level folders."""
+    try:
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            for loc in spec.submodule_search_locations:
+                if Path(loc).is_dir():
+                    return Path(loc)
+    except (ImportError, ValueError):
+        pass
+    return PACKAGE_ROOT.parent / fallback
+
+
+def config_dir() -> Path:
+    return _resource_dir("sparsetrain.configs", "configs")
+
+
+def recipes_dir() -> Path:
+    return _resource_dir("sparsetrain.recipes", "recipes")
+
+
+def list_recipes() -> dict[str, str]:
+    """Recipe name -> one-line description (``recipe_info.description`` in the file)."""
+    out = {}
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        node = OmegaConf.load(path)
+        info = node.get("recipe_info", {}) or {}
+        out[path.stem] = str(info.get("description", ""))
+    return out
+
+
+def register_recipes() -> None:
+    """Make recipes/*.yaml the Hydra config group ``recipe`` (package ``_global_``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        node = OmegaConf.load(path)
+        cs.store(group="recipe", name=path.stem, node=node, package="_global_")
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
+    """Compose the training config without running a job (used by `sparsetrain flops` and tests)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_recipes()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+# ---- instantiation with an allow-list -------------------------------------------------------------
+DEFAULT_ALLOWED = ("sparsetrain.", "torch.optim.")
+
+
+def _locate(target: str, key: str) -> Any:
+    module_name, _, attr = target.rpartition(".")
+    if not module_name:
+        raise ConfigError(key, f"_target_ {target!r} must be a dotted path 'module.Name'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(key, f"cannot import module {module_name!r} for _target_ {target!r}: {e}") from e
+    if not hasattr(module, attr):
+        raise ConfigError(key, f"module {module_name!r} has no {attr!r} (_target_ {target!r})")
+    return getattr(module, attr)
+
+
+def resolve_target(node: Any, key: str, base: type | None = None, allowed: tuple[str, ...] = DEFAULT_ALLOWED):
+    """Check a ``_target_``: it must subclass ``base`` when given (any module may then provide it, so users'
+    policies work from YAML), otherwise it must come from an allowed module prefix."""
+    if not isinstance(node, (dict, DictConfig)) or "_target_" not in node:
+        raise ConfigError(key, "needs a _target_")
+    target = str(node["_target_"])
+    obj = _locate(target, key + "._target_")
+    if base is not None:
+        if not (inspect.isclass(obj) and issubclass(obj, base)):
+            raise ConfigError(key + "._target_", f"{target!r} is not a {base.__module__}.{base.__name__} subclass")
+    elif not target.startswith(tuple(allowed)):
+        raise ConfigError(key + "._target_", f"{target!r} is outside the allowed modules {list(allowed)} "
+                                             f"(add its prefix to allowed_targets)")
+    return obj
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
+
+
+def _call(node: Any, key: str, fn: Callable, **runtime: Any) -> Any:
+    kwargs = {k: v for k, v in _plain(node).items() if k != "_target_"}
+    kwargs.update(runtime)
+    try:
+        return fn(**kwargs)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(key, str(e)) from e
+
+
+# ---- validation -----------------------------------------------------------------------------------
+MIXED_PRECISION = ("no", "fp16", "bf16")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+def _int(cfg: DictConfig, key: str, lo: int = 0, allow_none: bool = False) -> int | None:
+    value = OmegaConf.select(cfg, key)
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < lo:
+        raise ConfigError(key, f"must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def _choice(cfg: DictConfig, key: str, choices) -> str:
+    value = OmegaConf.select(cfg, key)
+    if value not in choices:
+        raise ConfigError(key, f"must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check every value before any model, data or file is touched; raise ConfigError naming the key."""
+    from sparsetrain.nn.formats import FORMATS, _import_optional_formats
+    from sparsetrain.sparsity.distributions import DISTRIBUTIONS
+    from sparsetrain.sparsity.layout import Block, check_density
+    from sparsetrain.sparsity.policies import Policy
+    from sparsetrain.sparsity.schedulers import SparsityScheduler
+
+    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    # trainer
+    _int(cfg, "trainer.max_steps", 1)
+    _int(cfg, "trainer.batch_size", 1)
+    _int(cfg, "trainer.grad_accum", 1)
+    _int(cfg, "trainer.eval_every", 0)
+    _int(cfg, "trainer.eval_batches", 1)
+    _int(cfg, "trainer.log_every", 1)
+    _int(cfg, "trainer.checkpoint_every", 0)
+    _int(cfg, "trainer.keep_checkpoints", 1)
+    _int(cfg, "trainer.num_workers", 0)
+    _choice(cfg, "trainer.mixed_precision", MIXED_PRECISION)
+    _choice(cfg, "trainer.device", ("auto", "cpu", "cuda"))
+    clip = cfg.trainer.clip_grad_norm
+    if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
+        raise ConfigError("trainer.clip_grad_norm", f"must be a positive number or null, got {clip!r}")
+    resume = cfg.trainer.resume
+    if resume not in (None, "auto") and not Path(str(resume)).is_dir():
+        raise ConfigError("trainer.resume", f"must be 'auto', null or an existing checkpoint dir, got {resume!r}")
+    # optimizer
+    resolve_target(cfg.optim.optimizer, "optim.optimizer", base=_optimizer_base())
+    lr = cfg.optim.optimizer.get("lr")
+    if not isinstance(lr, (int, float)) or lr <= 0:
+        raise ConfigError("optim.optimizer.lr", f"must be a positive number, got {lr!r}")
+    _choice(cfg, "optim.lr_schedule", LR_SCHEDULES)
+    _int(cfg, "optim.warmup_steps", 0)
+    ratio = cfg.optim.min_lr_ratio
+    if not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ConfigError("optim.min_lr_ratio", f"must be in [0, 1], got {ratio!r}")
+    # model and data
+    model_fn = resolve_target(cfg.model, "model", allowed=allowed)
+    data_fn = resolve_target(cfg.data, "data", allowed=allowed)
+    arch = cfg.model.get("arch")
+    data_kind = getattr(data_fn, "__name__", "")
+    if arch == "bert" and data_kind == "build_image_data" or arch == "vit" and data_kind == "build_mlm_data":
+        raise ConfigError("data", f"model.arch={arch!r} cannot train on data built by {data_kind}")
+    del model_fn
+    # sparsity
+    sp = cfg.sparsity
+    try:
+        check_density(sp.density, "sparsity.density")
+    except (TypeError, ValueError) as e:
+        raise ConfigError("sparsity.density", f"must be a number in (0, 1], got {sp.density!r}") from e
+    try:
+        Block.parse(_plain(sp.block))
+    except ValueError as e:
+        raise ConfigError("sparsity.block", str(e)) from e
+    _choice(cfg, "sparsity.distribution", tuple(DISTRIBUTIONS))
+    _choice(cfg, "sparsity.init", ("random", "magnitude"))
+    _import_optional_formats()
+    _choice(cfg, "sparsity.format", tuple(FORMATS))
+    for k, v in (_plain(sp.density_overrides) or {}).items():
+        try:
+            check_density(v)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"sparsity.density_overrides.{k}", f"must be in (0, 1], got {v!r}") from e
+    for key in ("targets", "exclude"):
+        value = _plain(sp.get(key))
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise ConfigError(f"sparsity.{key}", f"must be a list of name globs, got {value!r}")
+    resolve_target(sp.scheduler, "sparsity.scheduler", base=SparsityScheduler)
+    if "policy" in sp.scheduler:
+        resolve_target(sp.scheduler.policy, "sparsity.scheduler.policy", base=Policy)
+    build_scheduler(cfg)  # constructing it validates its values (pure, cheap)
+    if cfg.logger.wandb.enabled:
+        _choice(cfg, "logger.wandb.mode", ("offline", "online", "disabled"))
+
+
+def _optimizer_base() -> type:
+    import torch
+
+    return torch.optim.Optimizer
+
+
+# ---- building the run ----------------------------------------------------------------------------
+def build_scheduler(cfg: DictConfig):
+    from sparsetrain.sparsity.schedulers import SparsityScheduler
+
+    node = _plain(cfg.sparsity.scheduler)
+    cls = resolve_target(node, "sparsity.scheduler", base=SparsityScheduler)
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    if isinstance(kwargs.get("policy"), dict):
+        from sparsetrain.sparsity.policies import Policy
+
+        pnode = kwargs["policy"]
+        pcls = resolve_target(pnode, "sparsity.scheduler.policy", base=Policy)
+        kwargs["policy"] = _call(pnode, "sparsity.scheduler.policy", pcls)
+    return _call(kwargs, "sparsity.scheduler", cls)
+
+
+def model_builder(cfg: DictConfig) -> Callable:
+    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    fn = resolve_target(cfg.model, "model", allowed=allowed)
+    kwargs = {k: v for k, v in _plain(cfg.model).items() if k != "_target_"}
+    if "build_mlm_data" in str(cfg.data._target_):
+        kwargs.setdefault("vocab_size", cfg.data.vocab_size)
+    return partial(_call, kwargs, "model", fn)
+
+
+def data_builder(cfg: DictConfig) -> Callable:
+    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    fn = resolve_target(cfg.data, "data", allowed=allowed)
+    return partial(_call, cfg.data, "data", fn)
+
+
+def optimizer_builder(cfg: DictConfig) -> Callable:
+    """``make(model) -> optimizer`` with no weight decay on biases and norms (torchtune style: runtime
+    objects are passed at the call site, never through YAML)."""
+    node = _plain(cfg.optim.optimizer)
+    cls = resolve_target(node, "optim.optimizer", base=_optimizer_base())
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    no_decay = tuple(_plain(cfg.optim.no_decay) or ())
+
+    def make(model):
+        decay, plain = [], []
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (plain if p.ndim < 2 or any(s in name for s in no_decay) else decay).append(p)
+        wd = kwargs.get("weight_decay", 0.0)
+        groups = [{"params": decay, "weight_decay": wd}, {"params": plain, "weight_decay": 0.0}]
+        return cls([g for g in groups if g["params"]], **{k: v for k, v in kwargs.items() if k != "weight_decay"})
+
+    return make
+
+
+@dataclass
+class RunSpec:
+    """Everything a run needs, as plain objects and callables."""
+
+    build_model: Callable
+    build_data: Callable
+    build_optimizer: Callable
+    scheduler: Any
+    sparsify_kwargs: dict
+    train_args: Any
+    method: str
+    config: dict
+
+
+def build_run(cfg: DictConfig) -> RunSpec:
+    """Validate ``cfg`` and turn it into a :class:`RunSpec` (nothing is loaded or written yet)."""
+    from sparsetrain.training.loop import TrainArgs
+
+    validate(cfg)
+    sp = cfg.sparsity
+    scheduler = build_scheduler(cfg)
+    sparsify_kwargs = dict(
+        targets=list(sp.targets), exclude=list(sp.exclude), density=float(sp.density),
+        distribution=str(sp.distribution), density_overrides=_plain(sp.density_overrides) or None,
+        block=_plain(sp.block), format=str(sp.format), init=str(sp.init), seed=int(cfg.seed),
+    )
+    t, o = cfg.trainer, cfg.optim
+    args = TrainArgs(
+        max_steps=t.max_steps, batch_size=t.batch_size, grad_accum=t.grad_accum,
+        mixed_precision=t.mixed_precision, clip_grad_norm=t.clip_grad_norm, eval_every=t.eval_every,
+        eval_batches=t.eval_batches, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
+        keep_checkpoints=t.keep_checkpoints, resume=t.resume, device=t.device, num_workers=t.num_workers,
+        lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=float(o.min_lr_ratio),
+        seed=int(cfg.seed), progress=bool(cfg.logger.progress), plot=bool(cfg.logger.plot),
+        wandb=bool(cfg.logger.wandb.enabled), wandb_mode=str(cfg.logger.wandb.mode),
+        wandb_project=str(cfg.logger.wandb.project), wandb_name=cfg.logger.wandb.name,
+        recipe=str(cfg.recipe_info.name),
+    )
+    method = getattr(scheduler, "describe", lambda: str(sp.name))()
+    return RunSpec(model_builder(cfg), data_builder(cfg), optimizer_builder(cfg), scheduler, sparsify_kwargs,
+                   args, method, OmegaConf.to_container(cfg, resolve=True))
+
+
+def run_dir_from_hydra() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+

@@ -1,0 +1,540 @@
+"""Run logging: metrics.jsonl, a progress bar, curve plots, summary.json and wandb through Accelerate.
+
+A run directory holds `metrics.jsonl` (one JSON object per line, each with an integer `"step"`),
+`summary.json` (written once at the end) and, when tracking is on, `wandb/`. The row contract:
+
+- train rows: `step, loss, lr, train_flops (cumulative), tokens_per_s | samples_per_s, density,
+  elapsed_s (cumulative training wall seconds, eval excluded)`, optional `peak_mem_gb`;
+- eval rows: `step, eval_loss, train_flops, elapsed_s`, optional `eval_accuracy`;
+- event rows: `step, event` (e.g. `"mask_update"` with `pruned, regrown, drop_fraction`).
+  Readers ignore keys they do not know.
+
+Non-finite floats: the file is strict JSON (readable by jq, pandas, JavaScript), so NaN and the
+infinities are written as the strings `"NaN"`, `"Infinity"`, `"-Infinity"` rather than as null; a
+diverged loss then stays visible in the file (`"loss": "NaN"`) and cannot be confused with a missing
+value. `read_metrics` turns these strings back into floats.
+
+Example:
+    >>> log = MetricsLogger("runs/demo")
+    >>> log.log({"step": 10, "loss": 3.2, "lr": 1e-4, "density": 0.1})
+    >>> read_metrics("runs/demo")[-1]["loss"]
+    3.2
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:  # annotations are strings here (__future__), so Self costs nothing at run time
+    from typing_extensions import Self
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CURVES_FILE = "curves.png"
+WANDB_MODES = ("offline", "online", "disabled")
+
+_NONFINITE_TO_STR = {math.inf: "Infinity", -math.inf: "-Infinity"}
+_STR_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+# --------------------------------------------------------------------------------------------------
+# JSON encoding shared by metrics.jsonl and summary.json
+# --------------------------------------------------------------------------------------------------
+def _jsonable(value: Any, key: str) -> Any:
+    """Convert one value to strict-JSON types; tensors and numpy scalars become Python numbers."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        return _NONFINITE_TO_STR.get(value, value)
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v, key) for v in value]
+    # torch tensors and numpy scalars: a one-element value becomes its Python number. Checked by
+    # duck typing so this module imports neither torch nor numpy.
+    if hasattr(value, "item") and getattr(value, "size", None) is not None:
+        try:
+            return _jsonable(value.item(), key)
+        except (ValueError, RuntimeError):
+            pass
+    raise TypeError(f"value for key {key!r} has type {type(value).__name__}, which cannot be written as JSON")
+
+
+def _dumps(obj: dict) -> str:
+    encoded = {str(k): _jsonable(v, str(k)) for k, v in obj.items()}
+    return json.dumps(encoded, allow_nan=False)
+
+
+def _decode_row(row: dict) -> dict:
+    """Turn the non-finite markers of a flat row back into floats."""
+    return {k: _STR_TO_NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temp file in the same folder and `os.replace`.
+
+    Readers (a plot, the Pareto tool, a resumed run) never see a half-written file, even if the
+    process is killed mid-write.
+    """
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _check_step(row: Any) -> None:
+    if not isinstance(row, dict):
+        raise TypeError(f"row must be a dict, got {type(row).__name__}")
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"row['step'] must be an int, got {step!r} in row {row!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# metrics.jsonl
+# --------------------------------------------------------------------------------------------------
+class MetricsLogger:
+    """Append-only writer of `run_dir/metrics.jsonl`, one flushed line per row, main process only.
+
+    On other processes (`is_main_process=False`) `log` does nothing and no file is created, so the
+    training loop can call it unconditionally.
+
+    Example:
+        >>> with MetricsLogger("runs/demo", is_main_process=accelerator.is_main_process) as log:
+        ...     log.log({"step": 1, "loss": 2.5, "lr": 1e-3})
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, is_main_process: bool = True) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / METRICS_FILE
+        self.is_main_process = bool(is_main_process)
+        self._file = None
+        if self.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            # Append: a resumed run continues the same file (after `truncate_after`).
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (open for the logger's life)
+
+    def log(self, row: dict) -> None:
+        """Append one row (a flat dict with an int `"step"`) and flush it to disk."""
+        _check_step(row)
+        if self._file is None:
+            return
+        line = _dumps(row)  # encode before writing: a bad value raises without leaving a partial line
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def truncate_after(run_dir: str | os.PathLike, step: int) -> int:
+        """Drop every row with `row["step"] > step` from `run_dir/metrics.jsonl`; return rows kept.
+
+        Call it on the main process when resuming from a checkpoint taken at `step`, before opening
+        a `MetricsLogger`, so rows logged after that checkpoint by the interrupted run are not
+        duplicated. Kept lines are copied byte for byte; a line that does not parse (the partial last
+        line of a killed run) is dropped; a row without a `"step"` is kept. The rewrite is atomic.
+        A missing file is not an error (nothing was logged yet): returns 0.
+
+        Example:
+            >>> MetricsLogger.truncate_after("runs/demo", step=500)
+            42
+        """
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {step!r}")
+        path = Path(run_dir) / METRICS_FILE
+        if not path.exists():
+            return 0
+        kept = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(row, dict):
+                    continue
+                row_step = row.get("step")
+                if isinstance(row_step, (int, float)) and row_step > step:
+                    continue
+                kept.append(line if line.endswith("\n") else line + "\n")
+        _atomic_write_text(path, "".join(kept))
+        return len(kept)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """Rows of `run_dir/metrics.jsonl`, in file order, with non-finite markers turned into floats.
+
+    Lines that do not parse (a partial last line) are skipped. A missing file gives `[]`.
+
+    Example:
+        >>> [r["eval_loss"] for r in read_metrics("runs/demo") if "eval_loss" in r]
+        [4.1, 3.7]
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict):
+                rows.append(_decode_row(row))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress bar
+# --------------------------------------------------------------------------------------------------
+def _format_rate(value: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.1f}"
+
+
+def _format_postfix_value(key: str, value: Any) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return str(value)
+    if key == "lr":
+        return f"{value:.2e}"
+    if key.endswith("_per_s"):
+        return _format_rate(value)
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4g}"
+
+
+class Progress:
+    """A tqdm bar on stderr over training steps, showing loss, lr and throughput.
+
+    `update` takes the absolute step (not an increment), so a resumed run passes `initial` and the
+    same step counter the loop uses.
+
+    Example:
+        >>> bar = Progress(total_steps=1000, initial=0, disable=not accelerator.is_main_process)
+        >>> bar.update(10, loss=3.21, lr=1e-4, tokens_per_s=52000.0)
+        >>> bar.close()
+    """
+
+    def __init__(self, total_steps: int, initial: int = 0, disable: bool = False) -> None:
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
+            raise ValueError(f"total_steps must be an int >= 0, got {total_steps!r}")
+        if isinstance(initial, bool) or not isinstance(initial, int) or not 0 <= initial <= total_steps:
+            raise ValueError(f"initial must be an int in [0, total_steps={total_steps}], got {initial!r}")
+        self._bar = tqdm(
+            total=total_steps, initial=initial, disable=disable, file=sys.stderr, unit="step",
+            dynamic_ncols=True, desc="train",
+        )
+
+    @property
+    def n(self) -> int:
+        return int(self._bar.n)
+
+    def update(self, step: int, **postfix: Any) -> None:
+        """Move the bar to `step` and show `postfix` (e.g. loss=..., lr=..., tokens_per_s=...)."""
+        if postfix:
+            shown = {key: _format_postfix_value(key, value) for key, value in postfix.items()}
+            self._bar.set_postfix(shown, refresh=False)  # the update below refreshes once
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Summary
+# --------------------------------------------------------------------------------------------------
+def write_summary(run_dir: str | os.PathLike, **fields: Any) -> Path:
+    """Write `fields` as `run_dir/summary.json` atomically; return its path.
+
+    Example:
+        >>> write_summary("runs/demo", status="finished", method="static", density=0.1, steps=1000)
+        PosixPath('runs/demo/summary.json')
+    """
+    path = Path(run_dir) / SUMMARY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    encoded = {k: _jsonable(v, k) for k, v in fields.items()}
+    _atomic_write_text(path, json.dumps(encoded, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict | None:
+    """`run_dir/summary.json` as a dict (non-finite markers decoded), or None when absent."""
+    path = Path(run_dir) / SUMMARY_FILE
+    if not path.exists():
+        return None
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise TypeError(f"{path} does not hold a JSON object")
+    return _decode_row(data)
+
+
+def format_flops(value: float | None) -> str:
+    """Compact scientific notation that `float()` reads back: 1.23e15 (or '-' for None)."""
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0:
+        return "0"
+    exponent = math.floor(math.log10(abs(value)))
+    mantissa = value / 10**exponent
+    if round(abs(mantissa), 2) >= 10:  # 9.999e14 rounds to 10.00: carry into the exponent
+        mantissa, exponent = mantissa / 10, exponent + 1
+    return f"{mantissa:.2f}e{exponent}"
+
+
+def format_seconds(seconds: float | None) -> str:
+    """'2h03m', '12m34s' or '45.2s' (or '-' for None)."""
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def format_summary(summary: dict) -> str:
+    """Two short lines describing a finished run, for the end of the training log.
+
+    Example:
+        >>> print(format_summary({"status": "finished", "method": "static", "density": 0.1, "steps": 100}))
+        finished: method=static density=0.100
+          steps 100 | wall - | final eval loss - | train FLOPs - | throughput -
+    """
+    head = [str(summary.get("status", "unknown")) + ":"]
+    for key in ("method", "recipe"):
+        if summary.get(key):
+            head.append(f"{key}={summary[key]}")
+    if isinstance(summary.get("density"), (int, float)):
+        head.append(f"density={summary['density']:.3f}")
+    if summary.get("block"):
+        head.append(f"block={summary['block']}")
+
+    loss = summary.get("final_eval_loss")
+    rate_key = next((k for k in ("tokens_per_s", "samples_per_s") if summary.get(k) is not None), None)
+    rate = f"{_format_rate(summary[rate_key])} {rate_key.split('_')[0]}/s" if rate_key else "-"
+    body = [
+        f"steps {summary.get('steps', '-')}",
+        f"wall {format_seconds(summary.get('wall_s'))}",
+        f"final eval loss {loss:.4f}" if isinstance(loss, (int, float)) else "final eval loss -",
+        f"train FLOPs {format_flops(summary.get('total_train_flops'))}",
+        f"throughput {rate}",
+    ]
+    return " ".join(head) + "\n  " + " | ".join(body)
+
+
+# --------------------------------------------------------------------------------------------------
+# Curves
+# --------------------------------------------------------------------------------------------------
+def _run_label(run_dir: Path) -> str:
+    summary = read_summary(run_dir) or {}
+    parts = [run_dir.name] + [str(summary[k]) for k in ("method", "recipe") if summary.get(k)]
+    if isinstance(summary.get("density"), (int, float)):
+        parts.append(f"density {summary['density']:.3g}")
+    return " | ".join(parts)
+
+
+def plot_run(run_dir: str | os.PathLike) -> Path:
+    """Plot `run_dir/metrics.jsonl` into `run_dir/curves.png`; return its path.
+
+    Top panel: train loss and eval loss vs step (non-finite train losses are marked with red x at
+    the top edge). Bottom panel: overall density vs step, with mask-update steps marked.
+
+    Example:
+        >>> plot_run("runs/demo")
+        PosixPath('runs/demo/curves.png')
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"run_dir {str(run_dir)!r} has no rows in {METRICS_FILE}")
+    train = [r for r in rows if "loss" in r and "event" not in r]
+    evals = [r for r in rows if "eval_loss" in r and "event" not in r]
+    updates = [r["step"] for r in rows if r.get("event") == "mask_update"]
+    dens = [r for r in train if isinstance(r.get("density"), (int, float))]
+
+    # Figure + Agg canvas directly, not pyplot: no global backend switch, no display needed.
+    fig = Figure(figsize=(9, 6.5), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    ax_loss, ax_dens = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    fig.suptitle(_run_label(run_dir))
+
+    if train:
+        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8,
+                     color="tab:blue", label="train loss")
+        bad = [r["step"] for r in train if isinstance(r["loss"], float) and not math.isfinite(r["loss"])]
+        if bad:
+            # Non-finite losses leave a gap in the line; mark them so divergence is visible.
+            ax_loss.plot(bad, [1.0] * len(bad), "x", color="red", ms=7, clip_on=False,
+                         transform=ax_loss.get_xaxis_transform(), label=f"non-finite loss ({len(bad)})")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", ms=4, lw=1.5,
+                     color="tab:orange", label="eval loss")
+    ax_loss.set_ylabel("loss")
+    ax_loss.set_title("Loss")
+    ax_loss.grid(alpha=0.3)
+    if train or evals:
+        ax_loss.legend(loc="upper right")
+
+    if dens:
+        ax_dens.plot([r["step"] for r in dens], [r["density"] for r in dens], lw=1.5, color="tab:green",
+                     label="density")
+    else:
+        ax_dens.text(0.5, 0.5, "no density logged", ha="center", va="center", transform=ax_dens.transAxes)
+    if updates:
+        # Few updates: one faint line each. Many: short ticks along the bottom edge instead.
+        if len(updates) <= 60:
+            for i, s in enumerate(updates):
+                ax_dens.axvline(s, color="gray", lw=0.8, alpha=0.5, ls="--",
+                                label=f"mask update ({len(updates)})" if i == 0 else None)
+        else:
+            ax_dens.plot(updates, [0.0] * len(updates), "|", color="gray", ms=10,
+                         transform=ax_dens.get_xaxis_transform(), label=f"mask update ({len(updates)})")
+    ax_dens.set_xlabel("step")
+    ax_dens.set_ylabel("density of sparse layers")
+    ax_dens.set_title("Density")
+    ax_dens.grid(alpha=0.3)
+    if dens or updates:
+        ax_dens.legend(loc="upper right")
+
+    out = run_dir / CURVES_FILE
+    fig.savefig(out, dpi=110)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# wandb through Accelerate's trackers
+# --------------------------------------------------------------------------------------------------
+def _uses_wandb(accelerator: Any) -> bool:
+    return any(str(getattr(t, "value", t)) == "wandb" or getattr(t, "name", None) == "wandb"
+               for t in getattr(accelerator, "log_with", None) or [])
+
+
+def init_tracking(
+    accelerator: Any,
+    project: str,
+    run_dir: str | os.PathLike,
+    config: dict,
+    mode: str = "offline",
+    name: str | None = None,
+    enabled: bool = True,
+) -> None:
+    """Start wandb tracking through Accelerate's trackers, writing under `run_dir/wandb/`.
+
+    The accelerator must come from `Accelerator(log_with="wandb", project_dir=run_dir)`. `mode` is
+    `"offline"` (default: works with no network and no API key; upload later with `wandb sync`),
+    `"online"` (needs a logged-in user) or `"disabled"`. wandb's own console messages are silenced and
+    its stdout/stderr capture is off, unless WANDB_SILENT / WANDB_CONSOLE are already set.
+    `enabled=False` does nothing.
+
+    Example:
+        >>> acc = Accelerator(log_with="wandb", project_dir="runs/demo")
+        >>> init_tracking(acc, "sparsetrain", "runs/demo", {"density": 0.1}, name="static-0.1")
+    """
+    if not enabled:
+        return
+    if mode not in WANDB_MODES:
+        raise ValueError(f"mode must be one of {WANDB_MODES}, got {mode!r}")
+    if not isinstance(project, str) or not project:
+        raise ValueError(f"project must be a non-empty string, got {project!r}")
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict (OmegaConf.to_container(cfg)), got {type(config).__name__}")
+    if not _uses_wandb(accelerator):
+        raise ValueError('accelerator was not created with log_with="wandb" (or pass enabled=False)')
+    try:
+        import wandb  # noqa: F401  (checked here so a missing install fails with a clear message)
+    except ImportError as e:
+        raise ImportError("tracking needs the wandb package (or pass enabled=False)") from e
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.environ["WANDB_MODE"] = mode
+    os.environ["WANDB_DIR"] = str(run_dir)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    # Console capture off: wandb otherwise wraps stdout/stderr, which fights tqdm and Hydra's logging.
+    os.environ.setdefault("WANDB_CONSOLE", "off")
+    init_kwargs = {"dir": str(run_dir), "name": name or run_dir.name, "mode": mode}
+    accelerator.init_trackers(project, config=_jsonable(config, "config"), init_kwargs={"wandb": init_kwargs})
+
+
+def log_tracking(accelerator: Any, row: dict, step: int) -> None:
+    """Send one metrics row to the trackers at `step`.
+
+    `step` and None values are dropped; an event row's keys are prefixed with the event name
+    (`{"event": "mask_update", "pruned": 8}` -> `mask_update/pruned`) so events get their own panels.
+
+    Example:
+        >>> log_tracking(acc, {"step": 10, "loss": 3.2, "lr": 1e-4}, step=10)
+    """
+    _check_step({"step": step})
+    if not getattr(accelerator, "trackers", None):
+        return
+    event = row.get("event")
+    prefix = f"{event}/" if isinstance(event, str) else ""
+    values = {}
+    for key, value in row.items():
+        if key in ("step", "event") or value is None:
+            continue
+        value = _jsonable(value, key)
+        if isinstance(value, str) and value in _STR_TO_NONFINITE:
+            value = _STR_TO_NONFINITE[value]  # wandb plots NaN as a gap: keep the float
+        values[prefix + key] = value
+    if values:
+        accelerator.log(values, step=step)
+
+
+def end_tracking(accelerator: Any) -> None:
+    """Finish every tracker (flushes wandb's offline run files) and forget them.
+
+    Trackers are removed from `accelerator.trackers`, so a later `accelerator.end_training()` does not
+    finish them a second time.
+    """
+    trackers = list(getattr(accelerator, "trackers", None) or [])
+    for tracker in trackers:
+        tracker.finish()
+    if trackers:
+        accelerator.trackers.clear()
