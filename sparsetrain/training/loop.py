@@ -311,6 +311,13 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         _kill_hook(step)
     save(step)
     progress.close()
+    masks_identical = None
+    if accelerator.num_processes > 1:
+        # every rank must hold the same topology; a mismatch would silently train different models
+        sig = accelerator.gather(mask_signature(inner).to(accelerator.device).reshape(1))
+        masks_identical = bool((sig == sig[0]).all())
+        if not masks_identical:
+            raise RuntimeError(f"sparsity masks differ between ranks: signatures {sig.tolist()}")
 
     # -- 6. summary -------------------------------------------------------------------------------------
     summary = {
@@ -321,6 +328,7 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         "tokens_per_s" if rate_key == "tokens_per_s" else "samples_per_s":
             window_rate(run_dir, rate_key) if main else None,
         "hook_share_non_update_steps": hook_time / step_time if step_time else None,
+        "processes": accelerator.num_processes, "ranks_masks_identical": masks_identical,
         "flops_per_step_dense": report.dense_total, "flops_per_step_sparse": report.sparse_total,
     }
     if main:
@@ -332,6 +340,17 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         tlog.end_tracking(accelerator)
     accelerator.end_training()
     return summary
+
+
+def mask_signature(model: torch.nn.Module) -> torch.Tensor:
+    """A number that changes when any active position of any SparseLinear changes."""
+    from sparsetrain.sparsity.schedulers import sparse_layers
+
+    sig = torch.zeros((), dtype=torch.float64)
+    for i, layer in enumerate(sparse_layers(model).values()):
+        m = layer.mask.detach().flatten().cpu().double()
+        sig += ((torch.arange(m.numel(), dtype=torch.float64) + 1) * m).sum() * (i + 1)
+    return sig
 
 
 def window_rate(run_dir: Path, key: str) -> float | None:

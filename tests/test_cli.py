@@ -1,0 +1,132 @@
+"""The real CLI in subprocesses: quickstart learns, kill + resume is exact, two ranks agree, pareto plots."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["trainer.batch_size=8", "data.seq_len=32", "data.vocab_size=1024", "trainer.eval_batches=2"]
+
+
+def cli(*args, env=None, check=True, timeout=600):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    r = subprocess.run([sys.executable, "-m", "sparsetrain.cli", *args], cwd=ROOT, env=e, capture_output=True,
+                       text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-3000:]}\nSTDERR:\n{r.stderr[-3000:]}")
+    return r
+
+
+def rows(run_dir, key):
+    return [json.loads(line) for line in Path(run_dir, "metrics.jsonl").read_text().splitlines()
+            if key in json.loads(line)]
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("quick") / "run"
+    r = cli("train", "recipe=quickstart", "trainer.max_steps=60", "trainer.eval_every=30", "trainer.log_every=10",
+            *TINY, f"hydra.run.dir={d}")
+    return d, r
+
+
+@pytest.mark.slow
+def test_quickstart_learns_and_writes_everything(quickstart_run):
+    d, r = quickstart_run
+    train = rows(d, "loss")
+    assert [x["step"] for x in train] == [10, 20, 30, 40, 50, 60]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.5, [x["loss"] for x in train]   # it learns
+    flops = [x["train_flops"] for x in train]
+    assert all(b > a for a, b in zip(flops, flops[1:]))
+    assert all(abs(x["density"] - 0.1) < 0.001 and x["tokens_per_s"] > 0 for x in train)
+    updates = rows(d, "event")
+    assert updates and all(u["pruned"] == u["regrown"] > 0 for u in updates if u["event"] == "mask_update")
+    assert len(rows(d, "eval_loss")) == 2
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["method"] == "prune_regrow/random"
+    assert (d / "curves.png").stat().st_size > 10_000 and (d / "config.yaml").is_file()
+    assert list((d / "wandb").glob("offline-run-*/*.wandb")), "wandb offline run files"
+    assert "final eval loss" in r.stdout
+
+
+@pytest.mark.slow
+def test_kill_and_resume_equals_uninterrupted(tmp_path):
+    common = ["recipe=quickstart", "trainer.max_steps=24", "trainer.checkpoint_every=8", "trainer.log_every=4",
+              "trainer.eval_every=12", "logger=quiet", "sparsity.scheduler.num_updates=5", *TINY]
+    a, b = tmp_path / "a", tmp_path / "b"
+    cli("train", *common, f"hydra.run.dir={a}")
+    killed = cli("train", *common, f"hydra.run.dir={b}", env={"SPARSETRAIN_TEST_KILL_AT_STEP": "13"}, check=False)
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (b / "checkpoints").iterdir() if not p.name.startswith(".")) == ["step_00000008"]
+    again = cli("train", *common, f"hydra.run.dir={b}", check=False)           # refuses to clobber
+    assert again.returncode == 2 and "trainer.resume=auto" in again.stderr
+    cli("train", *common, f"hydra.run.dir={b}", "trainer.resume=auto")
+    la, lb = rows(a, "loss"), rows(b, "loss")
+    assert [x["step"] for x in lb] == [4, 8, 12, 16, 20, 24]
+    assert [x["loss"] for x in la] == [x["loss"] for x in lb]                  # exactly equal on CPU
+    assert [x["eval_loss"] for x in rows(a, "eval_loss")] == [x["eval_loss"] for x in rows(b, "eval_loss")]
+    ma = torch.load(a / "checkpoints/step_00000024/pytorch_model.bin", map_location="cpu")
+    mb = torch.load(b / "checkpoints/step_00000024/pytorch_model.bin", map_location="cpu")
+    masks = [k for k in ma if k.endswith(".mask")]
+    assert masks and all(ma[k].equal(mb[k]) for k in masks)
+    assert all(ma[k].equal(mb[k]) for k in ma)
+
+
+@pytest.mark.slow
+def test_two_process_run_has_identical_masks(tmp_path):
+    d = tmp_path / "ddp"
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "sparsetrain.cli", "train",
+           "trainer.device=cpu",
+           "recipe=quickstart", "trainer.max_steps=12", "trainer.eval_every=6", "logger=quiet",
+           "sparsity.scheduler.num_updates=3", "sparsity.scheduler.policy._target_=sparsetrain.sparsity.RigL",
+           *TINY, f"hydra.run.dir={d}"]
+    r = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["ranks_masks_identical"] is True
+    assert [u["pruned"] > 0 for u in rows(d, "event")] == [True] * 3
+
+
+@pytest.mark.slow
+def test_pareto_from_two_runs(quickstart_run, tmp_path):
+    d1, _ = quickstart_run
+    d2 = tmp_path / "dense"
+    cli("train", "sparsity=dense", "trainer=cpu_small", "trainer.max_steps=20", "trainer.eval_every=20",
+        "logger=quiet", *TINY, f"hydra.run.dir={d2}")
+    out = tmp_path / "pareto.png"
+    r = cli("pareto", str(d1), str(d2), "--out", str(out))
+    assert out.stat().st_size > 10_000
+    assert "prune_regrow/random" in r.stdout and "dense" in r.stdout
+
+
+def test_unknown_recipe_lists_recipes():
+    r = cli("train", "recipe=nope", check=False)
+    assert r.returncode == 2 and "unknown recipe 'nope'" in r.stderr and "quickstart" in r.stderr
+
+
+def test_invalid_value_leaves_existing_run_untouched(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    before = sorted(p.name for p in d.rglob("*"))
+    r = cli("train", "recipe=quickstart", "sparsity.density=1.7", f"hydra.run.dir={d}", check=False)
+    assert r.returncode == 2 and "sparsity.density" in r.stderr
+    assert sorted(p.name for p in d.rglob("*")) == before
+    assert (d / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+
+
+def test_bad_override_key_reports_hydra_error():
+    r = cli("train", "recipe=quickstart", "trainer.maxsteps=3", check=False)
+    assert r.returncode != 0 and "trainer.maxsteps" in r.stderr
+
+
+def test_recipes_and_flops_commands():
+    r = cli("recipes")
+    assert "quickstart" in r.stdout and "bert_phase1_dynamic" in r.stdout
+    f = cli("flops", "recipe=quickstart")
+    assert "sparse / dense" in f.stdout and "bert.encoder.layer.0.intermediate.dense" in f.stdout

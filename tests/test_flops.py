@@ -1,0 +1,99 @@
+"""FLOP accounting: the dense count matches torch's FlopCounterMode on real models; sparse layers scale."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from sparsetrain.flops import count_step_flops, step_flops
+from sparsetrain.models.builders import build_model
+
+
+def _measured_step_flops(model, **inputs) -> int:
+    # FlopCounterMode counts mm/addmm/bmm, convolution (+ backward) and fused attention kernels;
+    # like flops.py it ignores elementwise ops, embedding lookups and the loss.
+    with FlopCounterMode(display=False) as counter:
+        model(**inputs).loss.backward()
+    return counter.get_total_flops()
+
+
+def test_bert_tiny_matches_flop_counter():
+    model = build_model("bert", "tiny", vocab_size=8192, seq_len=128)  # eager attention: QK^T and AV are bmm
+    ids = torch.randint(5, 8192, (2, 128))
+    measured = _measured_step_flops(model, input_ids=ids, labels=ids)
+    report = count_step_flops(model, batch_size=2, seq_len=128)
+    assert report.dense_total == pytest.approx(measured, rel=0.02)
+    assert report.attention_flops == 12 * 2 * 128**2 * 128 * 2  # 12 B L^2 H per layer, 2 layers
+    decoder = next(r for r in report.rows if r.name.endswith("decoder"))
+    assert (decoder.in_features, decoder.out_features, decoder.tokens) == (128, 8192, 256)
+
+
+def test_vit_tiny_matches_flop_counter():
+    model = build_model("vit", "tiny", image_size=32, patch_size=4, num_hidden_layers=2)
+    measured = _measured_step_flops(
+        model, pixel_values=torch.randn(3, 3, 32, 32), labels=torch.tensor([1, 2, 3])
+    )
+    report = count_step_flops(model, batch_size=3, image_size=32)
+    assert report.seq_tokens == 65  # 8x8 patches + [CLS]
+    assert report.dense_total == pytest.approx(measured, rel=0.02)
+    classifier = next(r for r in report.rows if r.name == "classifier")
+    assert classifier.tokens == 3  # reads the [CLS] token only
+
+
+class FakeSparseLinear(nn.Module):
+    """Duck-typed sparse layer: in/out features, a density, and a child nn.Linear not to count twice."""
+
+    def __init__(self, n_in, n_out, density):
+        super().__init__()
+        self.in_features, self.out_features, self.density = n_in, n_out, density
+        self.inner = nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_sparse_layers_count_at_their_density():
+    model = nn.Sequential(FakeSparseLinear(64, 32, density=0.1), nn.ReLU(), nn.Linear(32, 16))
+    report = count_step_flops(model, batch_size=3, seq_len=10)
+    tokens = 30
+    assert [r.name for r in report.rows] == ["0", "2"]
+    sparse_row, dense_row = report.rows
+    assert sparse_row.dense_flops == 3 * 2 * tokens * 64 * 32
+    assert sparse_row.sparse_flops == pytest.approx(3 * 2 * tokens * 64 * 32 * 0.1)
+    assert dense_row.sparse_flops == dense_row.dense_flops == 3 * 2 * tokens * 32 * 16
+    assert report.attention_flops == 0
+    assert report.dense_total == 6 * tokens * (64 * 32 + 32 * 16)
+    assert report.sparse_total == pytest.approx(6 * tokens * (64 * 32 * 0.1 + 32 * 16))
+    assert report.rigl_update_extra == pytest.approx(2 * tokens * 64 * 32 * 0.9)
+    assert step_flops(report, is_update_step=False, dense_grad=True) == report.sparse_total
+    assert step_flops(report, is_update_step=True, dense_grad=False) == report.sparse_total
+    assert step_flops(report, is_update_step=True, dense_grad=True) == pytest.approx(
+        report.sparse_total + 2 * tokens * 64 * 32 * 0.9
+    )
+
+
+def test_sparsified_bert_saves_exactly_the_inactive_share():
+    model = build_model("bert", "tiny", vocab_size=1000, seq_len=64)
+    dense = count_step_flops(model, batch_size=4, seq_len=64)
+    for layer in model.bert.encoder.layer:
+        old = layer.intermediate.dense
+        layer.intermediate.dense = FakeSparseLinear(old.in_features, old.out_features, density=0.25)
+    sparse = count_step_flops(model, batch_size=4, seq_len=64)
+    ffn = 2 * 6 * (4 * 64) * 128 * 512  # two layers' intermediate.dense, dense step cost
+    assert sparse.dense_total == dense.dense_total
+    assert sparse.sparse_total == pytest.approx(dense.dense_total - 0.75 * ffn)
+    assert sparse.sparse_ratio < 1.0
+    table = sparse.format_table()
+    assert "bert.encoder.layer.1.intermediate.dense" in table and "attention" in table
+    assert f"sparse / dense = {sparse.sparse_ratio:.4f}" in table
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="density"):
+        count_step_flops(nn.Sequential(FakeSparseLinear(4, 4, density=0.0)), batch_size=1, seq_len=1)
+    with pytest.raises(ValueError, match="seq_len"):
+        count_step_flops(nn.Linear(4, 4), batch_size=1)
+    with pytest.raises(ValueError, match="batch_size"):
+        count_step_flops(nn.Linear(4, 4), batch_size=0, seq_len=4)
+    with pytest.raises(ValueError, match="conv"):
+        count_step_flops(nn.Conv2d(3, 8, 3), batch_size=1, seq_len=4)

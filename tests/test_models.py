@@ -1,0 +1,103 @@
+"""Model builders: every named size has the documented shape; small ones run forward and backward."""
+
+import pytest
+import torch
+
+from sparsetrain.models.builders import MODEL_SIZES, build_config, build_model
+
+EXPECTED = {  # (layers, hidden, heads) from the brief, restated here so a typo in MODEL_SIZES is caught
+    ("bert", "tiny"): (2, 128, 2),
+    ("bert", "mini"): (4, 256, 4),
+    ("bert", "small"): (4, 512, 8),
+    ("bert", "medium"): (8, 512, 8),
+    ("bert", "base"): (12, 768, 12),
+    ("vit", "tiny"): (12, 192, 3),
+    ("vit", "small"): (12, 384, 6),
+    ("vit", "base"): (12, 768, 12),
+    ("vit", "large"): (24, 1024, 16),
+}
+
+
+@pytest.mark.parametrize("arch,size", sorted(EXPECTED))
+def test_every_size_has_the_documented_config(arch, size):
+    assert size in MODEL_SIZES[arch]
+    config = build_config(arch, size, vocab_size=1000, seq_len=256, image_size=64, patch_size=8)
+    layers, hidden, heads = EXPECTED[(arch, size)]
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (
+        layers,
+        hidden,
+        heads,
+    )
+    assert config.intermediate_size == 4 * hidden
+    if arch == "bert":
+        assert config.vocab_size == 1000 and config.max_position_embeddings >= 256
+    else:
+        assert (config.image_size, config.patch_size, config.num_labels) == (64, 8, 10)
+
+
+def test_sizes_table_matches_the_documented_set():
+    assert {(a, s) for a in MODEL_SIZES for s in MODEL_SIZES[a]} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("size", ["tiny", "mini"])
+def test_bert_forward_backward(size):
+    model = build_model("bert", size, vocab_size=300, seq_len=32)
+    layers, hidden, _ = EXPECTED[("bert", size)]
+    assert len(model.bert.encoder.layer) == layers and model.bert.embeddings.word_embeddings.weight.shape == (
+        300,
+        hidden,
+    )
+    ids = torch.randint(5, 300, (2, 32))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    assert out.logits.shape == (2, 32, 300) and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert model.bert.encoder.layer[0].intermediate.dense.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "arch,size", [("bert", "small"), ("bert", "medium"), ("vit", "tiny"), ("vit", "small")]
+)
+def test_mid_sizes_instantiate_with_the_right_layers(arch, size):
+    layers, hidden, _ = EXPECTED[(arch, size)]
+    model = build_model(arch, size, vocab_size=100, seq_len=16, image_size=32, patch_size=8)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 4 * hidden]
+    assert len(linears) == layers  # one MLP up-projection per layer
+    assert all(m.in_features == hidden for m in linears)
+
+
+def test_vit_forward_backward_with_overrides():
+    model = build_model("vit", "tiny", image_size=32, patch_size=8, num_labels=7, num_hidden_layers=1)
+    assert model.config.num_hidden_layers == 1 and model.config.hidden_size == 192
+    out = model(pixel_values=torch.randn(3, 3, 32, 32), labels=torch.tensor([0, 3, 6]))
+    assert out.logits.shape == (3, 7) and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert model.classifier.weight.grad.abs().sum() > 0
+
+
+def test_attn_implementation_reaches_the_model():
+    model = build_model("bert", "tiny", vocab_size=100, seq_len=16, attn_implementation="sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    eager = build_model("bert", "tiny", vocab_size=100, seq_len=16)
+    eager.load_state_dict(model.state_dict())
+    model.eval(), eager.eval()
+    ids = torch.randint(5, 100, (2, 16))
+    torch.testing.assert_close(model(input_ids=ids).logits, eager(input_ids=ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match=r"sizes: \['tiny', 'mini', 'small', 'medium', 'base'\]"):
+        build_model("bert", "huge", vocab_size=100)
+    with pytest.raises(ValueError, match="vocab_size"):
+        build_model("bert", "tiny")
+    with pytest.raises(ValueError, match="arch"):
+        build_model("gpt", "tiny")
+    with pytest.raises(ValueError, match="num_hidden_layer"):
+        build_model("bert", "tiny", vocab_size=100, num_hidden_layer=1)  # misspelt override
+    with pytest.raises(ValueError, match="patch_size"):
+        build_model("vit", "tiny", image_size=30, patch_size=16)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        build_config("bert", "tiny", vocab_size=100, seq_len=128, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="name_or_path"):
+        build_model("hf")
+    with pytest.raises(ValueError, match="task"):
+        build_model("hf", name_or_path="some/model", task="translation")
