@@ -117,3 +117,25 @@ def test_bad_override_key_is_hydras_error():
 def test_config_dirs_exist():
     assert (config_dir() / "train.yaml").is_file()
     assert Path(recipes_dir(), "quickstart.yaml").is_file()
+
+
+def test_non_editable_install_finds_configs_and_recipes(tmp_path):
+    """`pip install .` (not editable) ships configs/ and recipes/ inside the package."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
+                    "-w", str(wheel_dir)], check=True, capture_output=True, cwd=tmp_path)
+    wheel = next(wheel_dir.glob("sparsetrain-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-m", "sparsetrain.cli", "recipes"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert str(site / "sparsetrain" / "recipes") in out and "quickstart" in out
+    out = subprocess.run([sys.executable, "-m", "sparsetrain.cli", "flops", "recipe=quickstart"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert "sparse / dense" in out

@@ -97,3 +97,19 @@ def test_bad_input():
         count_step_flops(nn.Linear(4, 4), batch_size=0, seq_len=4)
     with pytest.raises(ValueError, match="conv"):
         count_step_flops(nn.Conv2d(3, 8, 3), batch_size=1, seq_len=4)
+
+
+def test_straight_through_layers_count_dense_weight_gradient():
+    """2:4 sparse-then-dense: Y and dX use the sparse weight, dW is dense (the master weight is trained)."""
+    from sparsetrain.nn import SparseLinear
+
+    class One(nn.Module):
+        def __init__(self, fmt):
+            super().__init__()
+            self.lin = SparseLinear.from_dense(nn.Linear(64, 32), density=0.5, format=fmt)
+
+    t, i, o = 10, 64, 32
+    hard = count_step_flops(One("masked"), batch_size=t, seq_len=1).sparse_total
+    st = count_step_flops(One("masked_st"), batch_size=t, seq_len=1).sparse_total
+    assert hard == pytest.approx(3 * 2 * t * i * o * 0.5)
+    assert st == pytest.approx(2 * t * i * o * (2 * 0.5 + 1))
