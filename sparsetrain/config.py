@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 

@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from sparsetrain.sparsity.distributions import erdos_renyi, erk, layer_densities, uniform
-from sparsetrain.sparsity.layout import Block, block_reduce, grid_shape, n_active_blocks, to_element_mask, topk_mask
+from sparsetrain.sparsity.layout import (
+    Block,
+    block_reduce,
+    grid_shape,
+    n_active_blocks,
+    to_element_mask,
+    topk_mask,
+)
 from sparsetrain.sparsity.nm import NM, _patterns, is_transposable_nm, nm_mask, transposable_nm_mask
 from sparsetrain.sparsity.schedules import (
     Constant,

@@ -21,7 +21,8 @@ New formats register with :func:`register_format` and are picked by name: ``spar
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F

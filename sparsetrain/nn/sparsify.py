@@ -68,7 +68,7 @@ def sparsify(
     """
     block = Block.parse(block)
     chosen = select_linears(model, targets, exclude)
-    for name, lin in chosen.items():
+    for lin in chosen.values():
         grid_shape(lin.weight.shape, block)  # raises naming the shapes when the block does not divide
     shapes = {n: tuple(m.weight.shape) for n, m in chosen.items()}
     if isinstance(density, dict):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -46,8 +46,8 @@ class NM:
 def _check_shape(weight: Tensor, m: int, both: bool) -> None:
     o, i = weight.shape
     if i % m or (both and o % m):
-        dims = f"({o}, {i})"
-        raise ValueError(f"weight {dims} is not divisible into {'%dx%d tiles' % (m, m) if both else 'groups of %d' % m}")
+        what = f"{m}x{m} tiles" if both else f"groups of {m}"
+        raise ValueError(f"weight ({o}, {i}) is not divisible into {what}")
 
 
 def nm_mask(weight: Tensor, n: int = 2, m: int = 4) -> Tensor:
@@ -60,7 +60,7 @@ def nm_mask(weight: Tensor, n: int = 2, m: int = 4) -> Tensor:
     return mask.reshape(o, i)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _patterns(n: int, m: int) -> Tensor:
     """All m x m 0/1 matrices with n ones in each row and each column, flattened: (P, m*m)."""
     rows = [r for r in itertools.product((0, 1), repeat=m) if sum(r) == n]

@@ -117,6 +117,8 @@ def _kill_hook(step: int) -> None:
 
 def train(spec, run_dir: Path) -> dict[str, Any]:
     """Run one training job described by a :class:`sparsetrain.config.RunSpec` into ``run_dir``."""
+    import logging
+
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -125,8 +127,6 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
     from sparsetrain.sparsity.distributions import layer_densities
     from sparsetrain.sparsity.schedulers import GradualMagnitude
     from sparsetrain.training import logging as tlog
-
-    import logging
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
     args: TrainArgs = spec.train_args
