@@ -189,6 +189,7 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         return flop_count.count_step_flops(inner, batch_size=global_batch, seq_len=seq_len, image_size=image_size)
 
     report = flop_report()
+    dispatch = plan_kernel_dispatch(inner, tokens=args.batch_size * report.seq_tokens, cpu=cpu)
     needs_grad = bool(getattr(getattr(scheduler, "policy", None), "needs_grad", False))
 
     # -- 4. resume ------------------------------------------------------------------------------------
@@ -217,6 +218,9 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         logger.log(row)
         if args.wandb:
             tlog.log_tracking(accelerator, row, row["step"])
+
+    for rec in dispatch:  # shape-aware 2:4 vs dense decisions, one row per layer
+        log({"step": step, "event": "dispatch", **rec})
 
     def evaluate() -> dict[str, float]:
         model.eval()
@@ -340,6 +344,18 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         tlog.end_tracking(accelerator)
     accelerator.end_training()
     return summary
+
+
+def plan_kernel_dispatch(model: torch.nn.Module, tokens: int, cpu: bool) -> list[dict]:
+    """On a GPU, time 2:4 against dense for every 2:4 layer's shape and keep the faster path per layer."""
+    from sparsetrain.sparsity.schedulers import sparse_layers
+
+    if cpu or not any(layer.format_name == "2:4" for layer in sparse_layers(model).values()):
+        return []
+    from sparsetrain.kernels.semi24_format import plan_dispatch
+
+    keep = ("name", "shape", "ms_24", "ms_24fwd", "ms_dense", "choice", "speedup_vs_linear")
+    return [{k: r[k] for k in keep if k in r} for r in plan_dispatch(model, tokens)]
 
 
 def mask_signature(model: torch.nn.Module) -> torch.Tensor:

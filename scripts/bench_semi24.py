@@ -1,0 +1,442 @@
+"""2:4 sparse-then-dense training on the GPU: correctness + side-by-side timings in one run.
+
+On the device machine:  PYTHONUNBUFFERED=1 python3 scripts/bench_semi24.py --out $OUT
+The operand-layout sweep of the probe (--probe-layouts) was run once (2026-11-21, H200); docs/semi24.md has it.
+Sections (``--sections``, comma separated; each fails on its own and records its error):
+  env     versions, GPU, cuSPARSELt version / max alg id
+  cslt_layout  cuSPARSELt compressed outputs of designed inputs, saved for offline study (cslt_*.pt)
+  probe   API probe: torch's tile kernel packing on this GPU, cuSPARSELt search, operand layouts x alg ids,
+          mask/compress kernels timed
+  linear  fwd+bwd at the benchmark shapes: dense nn.Linear, torch's semi-structured peer, ours in each mode,
+          with the per-step mask+compress cost and bf16/fp16 errors vs the masked-dense reference
+  fp16    fp16 errors of every mode at the linear shapes (run it in its own process)
+  vit     ViT-L/16 training step (224 px, batch 64 = 12608 tokens): dense vs sparse phase (dispatch, all-2:4)
+Writes bench_semi24.json under --out and prints a short table last. Timings: triton.testing.do_bench medians.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from sparsetrain.kernels import semi24 as S
+from sparsetrain.kernels.semi24_format import plan_dispatch
+from sparsetrain.nn import SparseLinear
+
+R: dict = {}
+ARGS = argparse.Namespace(out=os.environ.get("OUT", "."), probe_layouts=False)
+DEV = "cuda"
+BF = torch.bfloat16
+LINEAR_SHAPES = [  # tokens, in, out
+    (16384, 1024, 4096), (16384, 4096, 1024),
+    (16384, 4096, 16384), (16384, 16384, 4096),
+    (13008, 1024, 4096), (13008, 4096, 1024),
+]
+
+
+def bench(fn, rep=50, warmup=10, **kw):
+    from triton.testing import do_bench
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median", **kw)
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def section(name, fn):
+    print(f"== {name}", flush=True)
+    t0 = time.time()
+    try:
+        R[name] = fn()
+    except Exception as e:  # noqa: BLE001 - keep going: one broken section must not lose the others
+        traceback.print_exc()
+        R[name] = {"error": repr(e)[:500]}
+    print(f"   ({time.time() - t0:.1f} s)", flush=True)
+
+
+# ---- env ----------------------------------------------------------------------------------------------
+def env():
+    import triton
+    out = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
+           "date": datetime.date.today().isoformat(), "cusparselt": torch.backends.cusparselt.version(),
+           "max_alg_id": torch.backends.cusparselt.get_max_alg_id(),
+           "cusparselt_bindings": sorted(dir(getattr(torch._C, "_cusparselt", object())))[-12:]}
+    print(out)
+    return out
+
+
+# ---- probe --------------------------------------------------------------------------------------------
+def _probe_tile_kernel(n=1024, k=4096, t=4096):
+    """torch's fused tile kernel: does its cuSPARSELt packing give right products on this GPU?"""
+    w = torch.randn(n, k, device=DEV, dtype=BF)
+    packed, _, packed_t, _, bitmask = torch._sparse_semi_structured_tile(w, "largest_abs_values_greedy", False)
+    pruned = torch._sparse_semi_structured_apply_dense(w, bitmask)
+    info = {"packed": [tuple(packed.shape), str(packed.dtype)], "packed_t": tuple(packed_t.shape),
+            "bitmask": [tuple(bitmask.shape), str(bitmask.dtype)], "kept": pruned.ne(0).float().mean().item()}
+    for label, pk, a in (("fwd", packed.view(n, -1), pruned), ("t", packed_t.view(k, -1), pruned.t())):
+        xx = torch.randn(t, a.shape[1], device=DEV, dtype=BF)
+        try:
+            y = torch._cslt_sparse_mm(pk, xx.t(), transpose_result=True)
+            info[f"err_{label}"] = rel(y, xx.float() @ a.float().t())
+        except RuntimeError as e:
+            info[f"err_{label}"] = repr(e)[:200]
+    ok = torch._cslt_compress(pruned)
+    info["cslt_compress_shape"] = tuple(ok.shape)
+    info["same_bytes_as_cslt_compress"] = bool(ok.numel() == packed.numel() and
+                                               torch.equal(ok.reshape(-1), packed.reshape(-1)))
+    return info
+
+
+def _probe_prep(n, k):
+    """Per-step weight preparation costs (ms) for one weight shape."""
+    w32 = torch.randn(n, k, device=DEV)
+    wb = w32.to(BF)
+    r = S.transposable24(w32, out_dtype=BF, write_transposed=True)
+    fns = {"cast_fp32_to_bf16": lambda: w32.to(BF),
+           "mask_bf16in": lambda: S.transposable24(wb),
+           "mask_fp32in_bf16out": lambda: S.transposable24(w32, out_dtype=BF),
+           "mask+T_fp32in": lambda: S.transposable24(w32, out_dtype=BF, write_transposed=True),
+           "fused_pack+pack_t_bf16in": lambda: S.transposable24(wb, write_wm=False, pack=True, pack_t=True),
+           "fused_pack+pack_t_fp32in": lambda: S.transposable24(w32, out_dtype=BF, write_wm=False, pack=True,
+                                                               pack_t=True),
+           "cslt_compress": lambda: S.compress(r.wm),
+           "cslt_compress_T": lambda: S.compress(r.wmt),
+           "torch_tile": lambda: torch._sparse_semi_structured_tile(wb, "largest_abs_values_greedy", False)}
+    out = {"pack_supported": S.pack_supported(n, k, BF, torch.device(DEV))}
+    for name, fn in fns.items():
+        try:
+            out[name] = bench(fn, rep=20)
+        except (RuntimeError, ValueError) as e:
+            out[name] = repr(e)[:100]
+    return out
+
+
+def _probe_layouts(m, k, t):
+    """A (m, k) 2:4 times x (t, k): the four operand/result layouts, each at its best correct alg id."""
+    a = torch.randn(m, k, device=DEV, dtype=BF)
+    am = S.transposable24(a).wm
+    pk = S.compress(am)
+    x = torch.randn(t, k, device=DEV, dtype=BF)
+    xt = x.t().contiguous()
+    ref = x.float() @ am.float().t()
+    row = {"dense_ms": bench(lambda: F.linear(x, am), rep=25)}
+    # B = x read transposed (a view) or xᵀ made contiguous; result (t, m) [transpose_result] or (m, t)
+    for name, bb, tr in (("xT_view->Tm", x.t(), True), ("xT_view->mT", x.t(), False),
+                         ("xT_contig->Tm", xt, True), ("xT_contig->mT", xt, False)):
+        best, errs = None, []
+        for alg in range(S._max_alg_candidates()):
+            def mm(alg=alg, bb=bb, tr=tr):
+                return torch._cslt_sparse_mm(pk, bb, transpose_result=tr, alg_id=alg)
+            try:
+                y = mm()
+            except RuntimeError:
+                break
+            e = rel(y if tr else y.t(), ref)
+            errs.append(round(e, 4))
+            if not e < 1e-2:
+                continue
+            ms = bench(mm, rep=15, warmup=3)
+            if best is None or ms < best[1]:
+                best = (alg, ms)
+        row[name] = {"best_alg": best[0] if best else None, "ms": best[1] if best else None,
+                     "speedup": row["dense_ms"] / best[1] if best else None, "errs": errs}
+    return row
+
+
+def probe():
+    out = {}
+    try:
+        out["tile_kernel"] = _probe_tile_kernel()
+    except RuntimeError as e:
+        out["tile_kernel"] = {"error": repr(e)[:300]}
+    print("tile kernel:", out["tile_kernel"], flush=True)
+    w = torch.randn(1024, 4096, device=DEV, dtype=BF)
+    x = torch.randn(4096, 4096, device=DEV, dtype=BF)
+    am = S.transposable24(w).wm
+    pk = S.compress(am)
+    fn = getattr(getattr(torch._C, "_cusparselt", None), "mm_search", None)
+    try:
+        out["mm_search"] = repr(fn(pk, x.t(), None, None, None, True)) if fn else "absent"
+    except (RuntimeError, TypeError) as e:
+        out["mm_search"] = repr(e)[:200]
+    print("mm_search:", out["mm_search"], flush=True)
+    b = torch.randn(1024, device=DEV, dtype=BF)
+    y = torch._cslt_sparse_mm(pk, x.t(), b, transpose_result=True)
+    out["bias_fused_err"] = rel(y, x.float() @ am.float().t() + b.float())
+    print("bias fused err:", out["bias_fused_err"], flush=True)
+    out["prep_ms"] = {}
+    for (n, k) in [(1024, 1024), (4096, 1024), (1024, 4096), (16384, 4096), (4096, 16384)]:
+        r = out["prep_ms"][f"{n}x{k}"] = _probe_prep(n, k)
+        print(f"prep {n}x{k}: " + " ".join(f"{a}={v:.4f}" if isinstance(v, float) else f"{a}={v}"
+                                           for a, v in r.items()), flush=True)
+    out["layouts"] = {}
+    for (m, k, t) in [] if not ARGS.probe_layouts else [(4096, 1024, 16384), (1024, 4096, 16384), (1024, 1024, 16384), (3072, 1024, 16384),
+                      (16384, 4096, 16384), (4096, 16384, 16384), (4096, 1024, 13008), (4096, 1024, 13056)]:
+        row = out["layouts"][f"{m}x{k}@T{t}"] = _probe_layouts(m, k, t)
+        print(f"layout m={m} k={k} T={t}: dense {row['dense_ms']:.3f} | " + " | ".join(
+            f"{nm}: a{v['best_alg']} {v['speedup']:.2f}x" if v["ms"] else f"{nm}: none"
+            for nm, v in row.items() if nm != "dense_ms"), flush=True)
+        print("   errs per alg (xT_view->Tm):", row["xT_view->Tm"]["errs"], flush=True)
+    return out
+
+
+# ---- cuSPARSELt compressed layout: designed inputs, dumped for offline study -------------------------
+def _group_mask(pattern_ids):
+    """(n, k/4) ints in 0..5 -> (n, k) bool mask keeping the pair ``S._PAIRS[id]`` of every group of 4."""
+    pairs = torch.tensor(S._PAIRS, device=pattern_ids.device)
+    n, g = pattern_ids.shape
+    m = torch.zeros(n, g, 4, dtype=torch.bool, device=pattern_ids.device)
+    m.scatter_(2, pairs[pattern_ids], True)
+    return m.view(n, 4 * g)
+
+
+def cslt_layout():
+    """Compress designed matrices (uniform pair patterns, bit-sliced patterns by group index, kept values that
+    encode their own position) and random ones; save inputs and outputs as int16 bits for offline study."""
+    small, rand = {}, {}
+    for (n, k) in [(64, 64), (128, 128), (128, 256), (256, 128), (256, 512), (192, 320)]:
+        g = n * k // 4
+        gi = torch.arange(g, device=DEV).view(n, k // 4)
+        d = {}
+        for dt in (torch.float16, torch.bfloat16):
+            tag = str(dt)[6:]
+            for p in range(6):
+                w = _group_mask(torch.full_like(gi, p)).to(dt)
+                d[f"{tag}_pat{p}"] = S.compress(w).view(torch.int16).cpu()
+            for b in range(max(1, (g - 1).bit_length())):
+                w = _group_mask(torch.where((gi >> b) & 1 == 1, 5, 0)).to(dt)
+                d[f"{tag}_bit{b}"] = S.compress(w).view(torch.int16).cpu()
+        e = torch.arange(n * k // 2, device=DEV).view(n, k // 4, 2).float()
+        for name, vals in (("idlo", e % 1024 + 1), ("idhi", torch.div(e, 1024, rounding_mode="floor") + 1)):
+            w = torch.zeros(n, k // 4, 4, device=DEV)
+            w[..., :2] = vals
+            d[f"float16_{name}"] = S.compress(w.view(n, k).half()).view(torch.int16).cpu()
+        small[f"{n}x{k}"] = d
+    for (n, k, dt) in [(1024, 1024, torch.float16), (1024, 1024, torch.bfloat16),
+                       (512, 2048, torch.float16), (2048, 512, torch.bfloat16)]:
+        pid = torch.randint(0, 6, (n, k // 4), device=DEV)
+        w = (torch.randn(n, k, device=DEV) * _group_mask(pid)).to(dt)
+        rand[f"{n}x{k}_{str(dt)[6:]}"] = {"w": w.view(torch.int16).cpu(),
+                                           "c": S.compress(w).view(torch.int16).cpu()}
+    torch.save(small, os.path.join(ARGS.out, "cslt_small.pt"))
+    torch.save(rand, os.path.join(ARGS.out, "cslt_rand.pt"))
+    shapes = {kk: tuple(v["float16_pat0"].shape) for kk, v in small.items()}
+    print("compressed shapes:", shapes, flush=True)
+    return {"compressed_shapes": shapes}
+
+
+# ---- linear -------------------------------------------------------------------------------------------
+def _peer_step(w, x, g):
+    """torch core's semi-structured path used for training: re-sparsify every step (torch's tile kernel),
+    forward and input grad through the tensor subclass, weight grad dense (straight through)."""
+    from torch.sparse import SparseSemiStructuredTensorCUSPARSELT as C
+    ws = C.prune_dense_static_sort(w.detach(), "largest_abs_values_greedy")
+    y = F.linear(x, ws)
+    y.backward(g)
+    return y, g.t() @ x.detach()
+
+
+def _linear_errors(t, k, n, dtypes):
+    """Ours vs the masked-dense fp32 reference on fresh inputs: max rel error of y, dx, dW per dtype/mode."""
+    row = {}
+    for dt in dtypes:
+        for mode in S.MODES:
+            w = (torch.randn(n, k, device=DEV, dtype=dt) * k ** -0.5).requires_grad_()
+            x = torch.randn(t, k, device=DEV, dtype=dt, requires_grad=True)
+            mask = torch.empty(n, k, dtype=torch.bool, device=DEV)
+            y = S.semi24_linear(x, w, mode=mode, mask_out=mask)
+            g = torch.randn_like(y)
+            y.backward(g)
+            xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+            yr = S.semi24_linear_reference(xr, wr, mask)
+            yr.backward(g.float())
+            row[f"err_{str(dt)[6:]}_{mode}"] = max(rel(y, yr), rel(x.grad, xr.grad), rel(w.grad, wr.grad))
+    return row
+
+
+def _linear_times(t, k, n):
+    """fwd+bwd ms, bf16 weights and activations (as the anchors): dense, ours per mode, prep, the peer."""
+    lin = torch.nn.Linear(k, n, bias=False, device=DEV, dtype=BF)
+    w = lin.weight
+    x = torch.randn(t, k, device=DEV, dtype=BF, requires_grad=True)
+    g = torch.randn(t, n, device=DEV, dtype=BF)
+    row = {"dense_fwd": bench(lambda: lin(x)), "dense": bench(lambda: lin(x).backward(g), grad_to_none=[x, w])}
+    for mode in S.MODES:
+        def step(mode=mode):
+            S.semi24_linear(x, w, mode=mode).backward(g)
+        step()  # warm: kernel compiled, algorithms chosen
+        row[f"ours_{mode}"] = bench(step, grad_to_none=[x, w])
+    row["ours_24_fwd_only"] = bench(lambda: S.semi24_linear(x.detach(), w.detach(), mode="24"))
+
+    def prep_cslt():  # mask kernel, then cuSPARSELt's own compression of W⊙M and (W⊙M)ᵀ
+        r = S.transposable24(w.detach(), write_transposed=True)
+        S.compress(r.wm)
+        S.compress(r.wmt)
+    row["pack_supported"] = S.pack_supported(n, k, BF, torch.device(DEV))
+    row["ours_prep"] = bench(lambda: S.transposable24(w.detach(), write_wm=False, pack=True, pack_t=True)) \
+        if row["pack_supported"] else None
+    row["prep_cslt_compress"] = bench(prep_cslt)
+    try:
+        y, _ = _peer_step(w, x, g)
+        bitmask = torch._sparse_semi_structured_tile(w.detach(), "largest_abs_values_greedy", False)[4]
+        pruned = torch._sparse_semi_structured_apply_dense(w.detach(), bitmask)
+        row["peer_err"] = rel(y, x.detach().float() @ pruned.float().t())
+        row["peer_train"] = bench(lambda: _peer_step(w, x, g), grad_to_none=[x, w])
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+        row["peer_train"] = None
+        row["peer_train_error"] = repr(e)[:200]
+    try:
+        from torch.sparse import to_sparse_semi_structured
+        wm = S.transposable24(w.detach()).wm
+        ws = to_sparse_semi_structured(wm)
+        xk = x.detach().t().contiguous()  # the subclass's fastest operand layout (K, T)
+        row["peer_fwd_err"] = rel(ws @ xk, wm.float() @ xk.float())
+        row["peer_fwd"] = bench(lambda: ws @ xk)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+        row["peer_fwd"] = None
+        row["peer_fwd_error"] = repr(e)[:200]
+    return row
+
+
+def _ratio(a, b):
+    return a / b if a and b else float("nan")
+
+
+def linear():
+    out = {}
+    for (t, k, n) in LINEAR_SHAPES:
+        row = _linear_errors(t, k, n, (torch.bfloat16,))  # also fills the alg cache for these shapes
+        row.update(_linear_times(t, k, n))
+        out[f"{t}x{k}->{n}"] = row
+        torch.cuda.empty_cache()
+        err = max(v for kk, v in row.items() if kk.startswith("err_"))
+        print(f"T={t} {k}->{n}: dense {row['dense']:.3f} | "
+              + " ".join(f"{m} {row['dense'] / row['ours_' + m]:.3f}x" for m in S.MODES)
+              + f" | prep {row['ours_prep'] or float('nan'):.3f} ms (cslt {row['prep_cslt_compress']:.3f})"
+              + f" | peer train {_ratio(row['dense'], row['peer_train']):.3f}x err {row.get('peer_err', -1):.1e}"
+              + f" | fwd ours {row['dense_fwd'] / row['ours_24_fwd_only']:.3f}x"
+              + f" peer {_ratio(row['dense_fwd'], row['peer_fwd']):.3f}x | max err {err:.1e}", flush=True)
+    out["algs"] = S.alg_table()
+    return out
+
+
+def fp16():
+    """fp16 correctness of every mode at the benchmark shapes (run in its own process: an earlier fp16 kernel
+    variant faulted the GPU context on the H200)."""
+    out = {}
+    for (t, k, n) in LINEAR_SHAPES:
+        row = out[f"{t}x{k}->{n}"] = _linear_errors(t, k, n, (torch.float16,))
+        row["pack_supported"] = S.pack_supported(n, k, torch.float16, torch.device(DEV))
+        print(f"fp16 T={t} {k}->{n}: " + " ".join(f"{kk}={v:.1e}" for kk, v in row.items() if kk.startswith("err"))
+              + f" pack_supported={row['pack_supported']}", flush=True)
+    return out
+
+
+# ---- ViT-L step ---------------------------------------------------------------------------------------
+def vit(batch=64, rep=2000):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                    image_size=224, patch_size=16, num_labels=1000, attn_implementation="sdpa")
+    tokens = batch * ((224 // 16) ** 2 + 1)
+    images = torch.randn(batch, 3, 224, 224, device=DEV)
+    labels = torch.randint(0, 1000, (batch,), device=DEV)
+    out = {"tokens": tokens, "batch": batch}
+
+    def build(variant):
+        torch.manual_seed(0)
+        with torch.device(DEV):  # initialise on the GPU: CPU init of 300M parameters takes many seconds
+            model = ViTForImageClassification(cfg)
+        records = None
+        if variant != "dense":
+            enc = model.vit  # every linear of the backbone (the transformers 4 and 5 layouts alike)
+            for name, mod in list(enc.named_modules()):
+                if isinstance(mod, torch.nn.Linear):
+                    parent = enc.get_submodule(name.rsplit(".", 1)[0])
+                    setattr(parent, name.rsplit(".", 1)[1], SparseLinear.from_dense(mod, format="2:4"))
+            if variant == "sparse_dispatch":
+                records = plan_dispatch(model, tokens, dtype=BF, rep_ms=30)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        return model, opt, records
+
+    def step(model, opt):
+        with torch.autocast("cuda", dtype=BF):
+            loss = model(pixel_values=images, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    def run(variant):
+        model, opt, records = build(variant.replace("_again", ""))
+        losses = [step(model, opt).item() for _ in range(3)]
+        ms = bench(lambda: step(model, opt), rep=rep, warmup=200)
+        res = {"ms": ms, "images_per_s": batch / ms * 1e3, "first_losses": losses,
+               "max_mem_gb": torch.cuda.max_memory_allocated() / 2 ** 30}
+        if records:
+            res["dispatch"] = records
+            choices = {}
+            for r in records:
+                key = f"{r['shape']} {r['choice']}"
+                choices[key] = choices.get(key, 0) + 1
+            res["choices"] = choices
+        return res
+
+    for variant in ("dense", "sparse_dispatch", "sparse_all24", "dense_again"):
+        r = out[variant] = run(variant)
+        print(f"vit {variant}: {r['ms']:.1f} ms/step  {r['images_per_s']:.1f} img/s  "
+              f"losses {r['first_losses']}", flush=True)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def table():
+    e = R.get("env", {})
+    lines = [f"# {e.get('gpu')}  torch {e.get('torch')}  triton {e.get('triton')}  {e.get('date')}"]
+    lin = R.get("linear", {})
+    if isinstance(lin, dict) and "error" not in lin:
+        lines.append("| tokens x in->out | dense ms | 24 | 24fwd | masked dense | prep ms | peer train | max err |")
+        lines.append("|---|---|---|---|---|---|---|---|")
+        for key, r in lin.items():
+            if key == "algs":
+                continue
+            pt = f"{r['dense'] / r['peer_train']:.3f}x" if r.get("peer_train") else "error"
+            lines.append(f"| {key} | {r['dense']:.3f} | {r['dense'] / r['ours_24']:.3f}x | "
+                         f"{r['dense'] / r['ours_24fwd']:.3f}x | {r['dense'] / r['ours_dense']:.3f}x | "
+                         f"{r['ours_prep'] or float('nan'):.3f} | {pt} | "
+                         f"{max(v for k, v in r.items() if k.startswith('err_')):.1e} |")
+    v = R.get("vit", {})
+    if isinstance(v, dict) and "dense" in v:
+        for name in ("dense", "sparse_dispatch", "sparse_all24", "dense_again"):
+            if name in v:
+                lines.append(f"ViT-L {name}: {v[name]['ms']:.1f} ms  {v[name]['images_per_s']:.1f} img/s  "
+                             f"({v['dense']['ms'] / v[name]['ms']:.3f}x dense)")
+        if "choices" in v.get("sparse_dispatch", {}):
+            lines.append(f"dispatch: {v['sparse_dispatch']['choices']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="env,probe,linear,vit")  # also: cslt_layout
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tag", default="", help="suffix of the json file name")
+    ap.add_argument("--probe-layouts", action="store_true", help="probe: also sweep operand layouts x alg ids")
+    args = ARGS = ap.parse_args()
+    fns = {"env": env, "probe": probe, "cslt_layout": cslt_layout, "linear": linear, "fp16": fp16, "vit": vit}
+    torch.manual_seed(0)
+    for s in args.sections.split(","):
+        section(s, fns[s])
+        with open(os.path.join(args.out, f"bench_semi24{args.tag}.json"), "w") as f:
+            json.dump(R, f, indent=1, default=str)
+    print(table())

@@ -1,0 +1,226 @@
+"""The ``"2:4"`` SparseLinear storage format and the shape-aware choice between 2:4 and masked dense.
+
+Semantics are those of ``MaskedFormat(straight_through=True)`` (PyTorch's 2:4 training recipe): the layer
+keeps a dense master weight Parameter, the forward uses ``W ⊙ M`` with ``M`` a transposable 2:4 mask, and the
+dense gradient goes straight through to all of ``W``. On CUDA the mask is recomputed from the current weight
+on every forward by one Triton pass (see :mod:`sparsetrain.kernels.semi24`) and written into ``layer.mask``;
+the products go through cuSPARSELt where :func:`plan_dispatch` measured that to be faster, else dense.
+On CPU the format *is* the masked reference path.
+
+How a scheduler drives it:
+
+- ``layer.storage.recompute_every_forward = True`` (default): the forward computes the mask itself; do not
+  call ``set_mask`` every step (it would be overwritten by the next forward).
+- ``recompute_every_forward = False``: the scheduler calls ``layer.set_mask(m)`` with a transposable 2:4 mask
+  and the forward uses it as given.
+- Phase switch to dense: :func:`dense_phase_linear` gives an ``nn.Linear`` holding the *same* weight
+  Parameter, so the optimizer and its state carry over.
+
+>>> layer = SparseLinear(64, 32, format="2:4")
+>>> y = layer(torch.randn(5, 64))
+>>> is_transposable24(layer.mask)
+True
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sparsetrain.kernels.semi24 import (
+    MODES,
+    alg_table,
+    compute_dtype,
+    is_transposable24,
+    kernel_available,
+    select_alg,
+    semi24_linear,
+    transposable24,
+    transposable24_reference,
+)
+from sparsetrain.nn.formats import MaskedFormat, register_format
+from sparsetrain.nn.sparse_linear import SparseLinear
+from sparsetrain.sparsity.layout import Block
+
+
+@register_format("2:4")
+class Semi24Format(MaskedFormat):
+    """Transposable 2:4 straight-through format.
+
+    ``mode`` picks the products on CUDA: ``"24"`` (forward and input grad through cuSPARSELt), ``"24fwd"``
+    (forward only), ``"dense"`` (masked dense); :func:`plan_dispatch` sets it per layer from measurements.
+    """
+
+    def __init__(self, recompute_every_forward: bool = True, mode: str = "24") -> None:
+        super().__init__(straight_through=True)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.recompute_every_forward = bool(recompute_every_forward)
+        self.mode = mode
+
+    # ---- construction and topology ----------------------------------------------------------------------
+    def setup(self, layer, weight, mask):
+        if layer.block != Block(1, 1):
+            raise ValueError(f"format '2:4' needs block 1x1 (an element mask), got block {layer.block}")
+        if layer.in_features % 4 or layer.out_features % 4:
+            raise ValueError(f"format '2:4' needs in_features and out_features divisible by 4, got "
+                             f"in_features={layer.in_features}, out_features={layer.out_features}")
+        if not self.recompute_every_forward and not bool(mask.all()) and not is_transposable24(mask):
+            raise ValueError("mask is not a transposable 2:4 mask (at most 2 kept per row and per column of "
+                             "every 4x4 tile)")
+        super().setup(layer, weight, mask)
+        if self.recompute_every_forward or bool(mask.all()):
+            # An all-ones mask is SparseLinear's "none given": start from the weight's own 2:4 mask.
+            self.recompute_mask(layer)
+
+    def recompute_mask(self, layer) -> Tensor:
+        """Write the transposable 2:4 mask of the current weight into ``layer.mask`` and return it."""
+        with torch.no_grad():
+            w = layer.weight.detach()
+            if kernel_available(w.device) and w.is_cuda:
+                transposable24(w, mask_out=layer.mask)
+            else:
+                layer.mask.copy_(transposable24_reference(w)[0])
+            self._refresh(layer)
+        return layer.mask
+
+    def set_mask(self, layer, new_mask, optimizer=None):
+        if not is_transposable24(new_mask):
+            raise ValueError("new_mask is not a transposable 2:4 mask (at most 2 kept per row and per column "
+                             "of every 4x4 tile)")
+        super().set_mask(layer, new_mask, optimizer)
+
+    # ---- compute ------------------------------------------------------------------------------------------
+    def _fast_path(self, layer, x: Tensor) -> bool:
+        return x.is_cuda and layer.weight.is_cuda and kernel_available(x.device)
+
+    def forward(self, layer, x):
+        if not self._fast_path(layer, x):
+            # The masked reference path, exactly MaskedFormat(straight_through=True).
+            if self.recompute_every_forward:
+                self.recompute_mask(layer)
+            else:
+                self._refresh(layer)
+            return super().forward(layer, x)
+        if self.recompute_every_forward:
+            return semi24_linear(x, layer.weight, layer.bias, mode=self.mode, mask_out=layer.mask, layer=layer)
+        return semi24_linear(x, layer.weight, layer.bias, mode=self.mode, mask=layer.mask, layer=layer)
+
+    def dense_weight(self, layer):
+        # From the mask buffer itself: on CUDA the element-mask cache is not refreshed every step.
+        return (layer.weight * layer.mask.to(layer.weight.dtype)).detach()
+
+    def extra_repr(self) -> str:
+        return f"2:4, mode={self.mode}" + (", recompute_every_forward" if self.recompute_every_forward else "")
+
+
+def dense_phase_linear(layer: SparseLinear) -> nn.Linear:
+    """An ``nn.Linear`` that holds the layer's own weight (and bias) Parameters: the dense phase starts from
+    the dense master weight and an optimizer built on the sparse model keeps working unchanged.
+
+    >>> sl = SparseLinear(8, 4, format="2:4"); lin = dense_phase_linear(sl)
+    >>> lin.weight is sl.weight
+    True
+    """
+    if not isinstance(layer, SparseLinear):
+        raise TypeError(f"layer must be a SparseLinear, got {type(layer).__name__}")
+    lin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    lin.weight = layer.weight_parameter()
+    if layer.bias is not None:
+        lin.bias = layer.bias
+    return lin
+
+
+# ---- shape-aware dispatch -----------------------------------------------------------------------------
+def _time_modes(in_f: int, out_f: int, bias: bool, tokens: int, w_dtype: torch.dtype, dtype: torch.dtype,
+                device: torch.device, modes: tuple[str, ...], rep_ms: float) -> dict[str, float]:
+    """Median fwd+bwd ms of each mode (mask + compress included) and of plain ``F.linear``, on random data."""
+    from triton.testing import do_bench
+
+    w = (torch.randn(out_f, in_f, device=device, dtype=w_dtype) * in_f ** -0.5).requires_grad_()
+    b = torch.zeros(out_f, device=device, dtype=w_dtype, requires_grad=True) if bias else None
+    x = torch.randn(tokens, in_f, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(tokens, out_f, device=device, dtype=dtype)
+    autocast = w_dtype != dtype
+
+    def step(fn):
+        def run():
+            with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+                y = fn()
+            y.backward(dy)
+        return run
+
+    fns = {m: step(lambda m=m: semi24_linear(x, w, b, mode=m)) for m in modes}
+    fns["linear"] = step(lambda: F.linear(x, w, b))
+    grads = [x, w] + ([b] if b is not None else [])
+    out = {}
+    for name, fn in fns.items():
+        fn()  # compile the kernel, pick cuSPARSELt algorithms
+        out[name] = do_bench(fn, warmup=5, rep=rep_ms, grad_to_none=grads, return_mode="median")
+    return out
+
+
+def plan_dispatch(
+    model: nn.Module,
+    tokens: int,
+    *,
+    dtype: torch.dtype | None = None,
+    modes: tuple[str, ...] = MODES,
+    margin: float = 0.02,
+    rep_ms: float = 50.0,
+) -> list[dict]:
+    """Time 2:4 against masked dense for every distinct ``"2:4"`` layer shape and set each layer's mode.
+
+    ``tokens``: rows of the layer input per step (batch x sequence). ``dtype``: compute dtype (default: the
+    weight's if 16-bit, else bfloat16 as under autocast). A sparse mode is chosen only when it beats masked
+    dense by more than ``margin``. Returns one record per layer for the run log: name, shape, tokens, ms of
+    each mode and of plain ``F.linear``, choice, speedup of the choice over plain ``F.linear``, alg ids.
+    Off CUDA nothing is timed and every layer reports the masked reference path.
+
+    >>> records = plan_dispatch(model, tokens=64 * 197)  # doctest: +SKIP
+    """
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+    if dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be None, torch.float16 or torch.bfloat16, got {dtype!r}")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes!r}")
+    if "dense" not in modes:
+        modes = tuple(modes) + ("dense",)
+    layers = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, SparseLinear) and isinstance(m.storage, Semi24Format)]
+    timed: dict[tuple, dict] = {}
+    records = []
+    for name, layer in layers:
+        w = layer.weight
+        cdt = dtype or (w.dtype if w.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16)
+        rec = {"name": name, "shape": (layer.out_features, layer.in_features), "tokens": tokens,
+               "dtype": str(cdt).replace("torch.", "")}
+        if not (w.is_cuda and kernel_available(w.device)):
+            rec.update(choice="masked-reference", note="not on CUDA: nothing timed")
+            records.append(rec)
+            continue
+        key = (layer.in_features, layer.out_features, layer.bias is not None, w.dtype, cdt, w.device)
+        if key not in timed:
+            ms = _time_modes(layer.in_features, layer.out_features, layer.bias is not None, tokens, w.dtype,
+                             cdt, w.device, tuple(modes), rep_ms)
+            best = min(modes, key=lambda m: ms[m])
+            if best != "dense" and ms[best] > ms["dense"] * (1 - margin):
+                best = "dense"
+            timed[key] = {"ms": ms, "choice": best}
+        t = timed[key]
+        layer.storage.mode = t["choice"]
+        fa = select_alg(layer.out_features, layer.in_features, tokens, cdt, w.device) if t["choice"] != "dense" \
+            else None
+        da = select_alg(layer.in_features, layer.out_features, tokens, cdt, w.device) if t["choice"] == "24" \
+            else None
+        rec.update({f"ms_{m}": t["ms"][m] for m in modes})
+        rec.update(ms_linear=t["ms"]["linear"], choice=t["choice"],
+                   speedup_vs_linear=t["ms"]["linear"] / t["ms"][t["choice"]],
+                   alg_fwd=fa.alg_id if fa else None, alg_dx=da.alg_id if da else None)
+        records.append(rec)
+    return records
+
+
+__all__ = ["Semi24Format", "alg_table", "compute_dtype", "dense_phase_linear", "plan_dispatch"]

@@ -1,0 +1,311 @@
+"""2:4 straight-through format: mask kernel vs plain-torch reference, CPU fallback == MaskedFormat, and
+(on the device, ``pytest -m gpu``) cuSPARSELt products vs the masked-dense reference in bf16/fp16."""
+import pytest
+import torch
+
+from sparsetrain.kernels.semi24 import (
+    NPAT,
+    PATTERNS,
+    SPARSE_DTYPES,
+    compress,
+    cslt_pack_reference,
+    cslt_unpack_reference,
+    is_transposable24,
+    select_alg,
+    semi24_linear,
+    semi24_linear_reference,
+    sparse_mm_t,
+    transposable24,
+    transposable24_reference,
+)
+from sparsetrain.kernels.semi24_format import Semi24Format, dense_phase_linear, plan_dispatch
+from sparsetrain.nn import MaskedFormat, SparseLinear, get_format
+
+
+def _tiles(x: torch.Tensor) -> torch.Tensor:
+    n, k = x.shape
+    return x.reshape(n // 4, 4, k // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)
+
+
+def _all_valid_patterns() -> torch.Tensor:
+    """Independent enumeration: every 16-bit set whose 4x4 tile has two ones per row and per column."""
+    b = torch.arange(1 << 16)
+    cells = ((b[:, None] >> torch.arange(16)) & 1).reshape(-1, 4, 4)
+    ok = (cells.sum(1) == 2).all(1) & (cells.sum(2) == 2).all(1)
+    return cells[ok].reshape(-1, 16).float()
+
+
+def _chosen_vs_best(weight: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a = _tiles(weight.abs().double().cpu())
+    chosen = (a * _tiles(mask.cpu()).double()).sum(1)
+    best = (a @ _all_valid_patterns().double().t()).max(1).values
+    return chosen, best
+
+
+def test_pattern_table_is_complete():
+    assert NPAT == 90 and len(set(PATTERNS)) == 90
+    indep = {int(sum(int(v) << i for i, v in enumerate(row))) for row in _all_valid_patterns().long()}
+    assert indep == set(PATTERNS)
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (32, 48)])
+def test_reference_keeps_most_magnitude(shape):
+    w = torch.randn(shape)
+    mask, wm = transposable24_reference(w)
+    assert is_transposable24(mask) and int(mask.sum()) == w.numel() // 2
+    chosen, best = _chosen_vs_best(w, mask)
+    torch.testing.assert_close(chosen, best, rtol=1e-6, atol=0)
+    assert torch.equal(wm, w * mask)
+
+
+@pytest.mark.parametrize("shape", [(16, 64), (48, 80), (64, 136)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_kernel_matches_reference(shape, dtype):
+    w = torch.randn(shape, dtype=dtype)
+    mask, wm, wmt, _, _ = transposable24(w, write_transposed=True, out_dtype=torch.float16)
+    ref_mask, ref_wm = transposable24_reference(w, out_dtype=torch.float16)
+    assert is_transposable24(mask) and int(mask.sum()) == w.numel() // 2
+    # magnitudes are ranked after rounding to fp16; their sums are exact in fp32: the same choice, ties too
+    assert torch.equal(mask, ref_mask)
+    chosen, best = _chosen_vs_best(w.half(), mask)
+    torch.testing.assert_close(chosen, best, rtol=1e-6, atol=0)
+    assert torch.equal(wm, (w * mask).half()) and torch.equal(wm, ref_wm)
+    assert torch.equal(wmt, wm.t())
+
+
+def test_kernel_writes_into_mask_out_and_rejects_bad_input():
+    w = torch.randn(16, 32, dtype=torch.float16)
+    out = torch.zeros(16, 32, dtype=torch.bool)
+    mask = transposable24(w, mask_out=out).mask
+    assert mask is out and torch.equal(out, transposable24_reference(w)[0])
+    with pytest.raises(ValueError, match="2-D"):
+        transposable24(torch.randn(2, 16, 32))
+    with pytest.raises(ValueError, match="multiples of 4"):
+        transposable24(torch.randn(6, 32))
+    with pytest.raises(TypeError, match="dtype"):
+        transposable24(torch.ones(16, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="mask_out"):
+        transposable24(w, mask_out=torch.zeros(16, 16, dtype=torch.bool))
+    with pytest.raises(ValueError, match="divisible by 64"):
+        transposable24(w, pack=True)
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (128, 192), (192, 128)])
+def test_kernel_packs_like_the_reference_and_unpacks(shape):
+    w = torch.randn(shape, dtype=torch.float16)
+    r = transposable24(w, pack=True, pack_t=True)
+    assert r.wmt is None and torch.equal(r.mask, transposable24_reference(w)[0])
+    ref = cslt_pack_reference(r.wm, r.mask)
+    ref_t = cslt_pack_reference(r.wm.t().contiguous(), r.mask.t().contiguous())
+    assert torch.equal(r.packed.view(torch.int16), ref.view(torch.int16))
+    assert torch.equal(r.packed_t.view(torch.int16), ref_t.view(torch.int16))
+    assert torch.equal(cslt_unpack_reference(r.packed, *shape), r.wm)
+    assert torch.equal(cslt_unpack_reference(r.packed_t, shape[1], shape[0]), r.wm.t())
+
+
+def _pair(in_f, out_f, bias, recompute):
+    w = torch.randn(out_f, in_f)
+    mask = transposable24_reference(w)[0]
+    a = SparseLinear(in_f, out_f, bias=bias, weight=w, mask=mask,
+                     format=Semi24Format(recompute_every_forward=recompute))
+    b = SparseLinear(in_f, out_f, bias=bias, weight=w, mask=mask, format=MaskedFormat(straight_through=True))
+    if bias:
+        with torch.no_grad():
+            a.bias.normal_()
+            b.bias.copy_(a.bias)
+    return a, b
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_fallback_equals_masked_straight_through(recompute, bias):
+    a, b = _pair(64, 32, bias, recompute)
+    x = torch.randn(3, 5, 64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = a(xa), b(xb)
+    assert torch.equal(ya, yb)
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    assert torch.equal(xa.grad, xb.grad) and torch.equal(a.weight.grad, b.weight.grad)
+    # straight-through: pruned weights get their dense gradient too
+    assert (a.weight.grad[~a.mask] != 0).any()
+    if bias:
+        assert torch.equal(a.bias.grad, b.bias.grad)
+
+
+def test_recompute_tracks_the_weight_and_writes_the_mask():
+    layer = SparseLinear(64, 32, format="2:4")
+    assert isinstance(layer.storage, Semi24Format) and layer.storage.recompute_every_forward
+    for _ in range(2):
+        with torch.no_grad():
+            layer.weight.add_(torch.randn_like(layer.weight))  # an optimizer step
+        x = torch.randn(7, 64)
+        y = layer(x)
+        mask = transposable24_reference(layer.weight)[0]
+        assert torch.equal(layer.mask, mask) and is_transposable24(layer.mask)
+        assert torch.equal(y, torch.nn.functional.linear(x, layer.weight * mask, layer.bias))
+        assert torch.equal(layer.dense_weight(), layer.weight.detach() * mask)
+
+
+def test_parameter_identity_state_dict_and_dense_phase():
+    model = torch.nn.Sequential(SparseLinear(32, 16, format="2:4"), torch.nn.ReLU(), SparseLinear(16, 8))
+    layer = model[0]
+    p = layer.weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    layer.set_mask(transposable24_reference(torch.randn(16, 32))[0])
+    records = plan_dispatch(model, tokens=4)
+    assert [r["name"] for r in records] == ["0"] and records[0]["choice"] == "masked-reference"
+    assert layer.weight is p and layer.weight_parameter() is p
+    sd = layer.state_dict()
+    assert torch.equal(sd["weight"], p.detach())  # the dense master weight, not the masked one
+    fresh = SparseLinear(32, 16, format=Semi24Format(recompute_every_forward=False))
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh.weight, p.detach()) and torch.equal(fresh.mask, layer.mask)
+    lin = dense_phase_linear(layer)
+    assert lin.weight is p and lin.bias is layer.bias
+    x = torch.randn(2, 32)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, p, layer.bias))
+
+
+def test_bad_input_raises_clear_errors():
+    with pytest.raises(ValueError, match="in_features"):
+        SparseLinear(6, 8, format="2:4")
+    with pytest.raises(ValueError, match="block"):
+        SparseLinear(8, 8, block=2, format="2:4")
+    with pytest.raises(ValueError, match="mode"):
+        Semi24Format(mode="fast")
+    layer = SparseLinear(8, 8, format="2:4")
+    with pytest.raises(ValueError, match="new_mask"):
+        layer.set_mask(torch.ones(8, 8, dtype=torch.bool))
+    bad = torch.ones(8, 8, dtype=torch.bool)
+    bad[0, 1] = False
+    with pytest.raises(ValueError, match="mask"):
+        SparseLinear(8, 8, mask=bad, format=Semi24Format(recompute_every_forward=False))
+    with pytest.raises(ValueError, match="tokens"):
+        plan_dispatch(layer, tokens=0)
+    with pytest.raises(ValueError, match="dtype"):
+        plan_dispatch(layer, tokens=8, dtype=torch.float32)
+    with pytest.raises(TypeError, match="SparseLinear"):
+        dense_phase_linear(torch.nn.Linear(4, 4))
+    assert isinstance(get_format("2:4"), Semi24Format)
+
+
+# ---- on the device ---------------------------------------------------------------------------------------
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# fp16 ids let the device run bf16 first and fp16 in its own process (pytest -m gpu -k fp16)
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 1024), (4096, 16384)])
+@pytest.mark.parametrize("dtype", DTYPES + [pytest.param(torch.float32, id="fp32")])
+def test_gpu_kernel_matches_reference(shape, dtype):
+    w = torch.randn(shape, device="cuda", dtype=dtype)
+    mask, wm, wmt, _, _ = transposable24(w, write_transposed=True, out_dtype=torch.bfloat16)
+    ref_mask, ref_wm = transposable24_reference(w, out_dtype=torch.bfloat16)
+    assert is_transposable24(mask) and int(mask.sum()) == w.numel() // 2
+    assert torch.equal(mask, ref_mask)
+    assert torch.equal(wm, ref_wm) and torch.equal(wmt, wm.t())
+    if dtype == torch.float32:  # fp32 compute dtype: ranked at tf32 precision, optimal to ~1e-3
+        mask32, wm32 = transposable24(w)[:2]
+        assert is_transposable24(mask32) and torch.equal(wm32, w * mask32)
+        chosen, best = _chosen_vs_best(w, mask32)
+        assert (chosen >= best * (1 - 2e-3)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 1024), (4096, 16384), (192, 320)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_pack_equals_cusparselt_compress(shape, dtype):
+    w = torch.randn(shape, device="cuda", dtype=dtype)
+    r = transposable24(w, pack=True, pack_t=True)
+    assert torch.equal(r.packed.view(torch.int16), compress(r.wm).view(torch.int16))
+    assert torch.equal(r.packed_t.view(torch.int16), compress(r.wm.t().contiguous()).view(torch.int16))
+    if dtype in SPARSE_DTYPES:  # products only where cuSPARSELt is used (fp16 faulted the H200 context)
+        x = torch.randn(512, shape[1], device="cuda", dtype=dtype)
+        y = sparse_mm_t(r.packed, x, select_alg(shape[0], shape[1], 512, dtype))
+        assert _rel(y, x.float() @ r.wm.float().t()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["24", "24fwd", "dense"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,in_f,out_f,bias", [(16384, 1024, 4096, True), (16384, 4096, 1024, False),
+                                                     (13001, 1024, 4096, True), (1000, 4096, 16384, True)])
+def test_gpu_linear_matches_masked_dense(mode, dtype, tokens, in_f, out_f, bias):
+    w = (torch.randn(out_f, in_f, device="cuda") * in_f ** -0.5).requires_grad_()
+    b = torch.randn(out_f, device="cuda", requires_grad=True) if bias else None
+    x = torch.randn(tokens, in_f, device="cuda", dtype=dtype, requires_grad=True)
+    mask = torch.empty(out_f, in_f, dtype=torch.bool, device="cuda")
+    with torch.autocast("cuda", dtype=dtype):
+        y = semi24_linear(x, w, b, mode=mode, mask_out=mask)
+    assert y.dtype == dtype and y.shape == (tokens, out_f)
+    assert torch.equal(mask, transposable24_reference(w, out_dtype=dtype)[0])
+    g = torch.randn_like(y)
+    y.backward(g)
+    xr, wr = x.detach().float().requires_grad_(), w.detach().clone().requires_grad_()
+    br = b.detach().clone().requires_grad_() if bias else None
+    yr = semi24_linear_reference(xr, wr, mask, br)
+    yr.backward(g.float())
+    assert _rel(y, yr) < 1e-2
+    assert _rel(x.grad, xr.grad) < 1e-2
+    assert _rel(w.grad, wr.grad) < 1e-2 and w.grad.dtype == torch.float32
+    if bias:
+        assert _rel(b.grad, br.grad) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_format_matches_masked_format_and_dispatch():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(SparseLinear(1024, 4096, format="2:4"), torch.nn.GELU(),
+                                SparseLinear(4096, 1024, format="2:4")).cuda()
+    ref = torch.nn.Sequential(SparseLinear(1024, 4096, format=MaskedFormat(straight_through=True)),
+                              torch.nn.GELU(),
+                              SparseLinear(4096, 1024, format=MaskedFormat(straight_through=True))).cuda()
+    records = plan_dispatch(model, tokens=4096, dtype=torch.bfloat16, rep_ms=10)
+    assert [r["name"] for r in records] == ["0", "2"]
+    for r, i in zip(records, (0, 2)):
+        assert r["choice"] in ("24", "24fwd", "dense") and model[i].storage.mode == r["choice"]
+        assert r["ms_24"] > 0 and r["ms_dense"] > 0 and r["ms_linear"] > 0
+    for mode in ("24", "dense"):
+        for i in (0, 2):
+            model[i].storage.mode = mode
+        x = torch.randn(2, 2048, 1024, device="cuda")
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ya = model(xa)
+            for i in (0, 2):
+                # nn.Linear's uniform init rounded to bf16 has many exactly tied 4x4 pattern sums; the tensor
+                # cores may order those ties differently from the fp32 reference (seen on the H200), so check
+                # validity and that the kept magnitude is optimal, not the tie-break
+                m = model[i].mask
+                assert is_transposable24(m) and int(m.sum()) == m.numel() // 2
+                chosen, best = _chosen_vs_best(model[i].weight.detach().bfloat16(), m)
+                assert (chosen >= best * (1 - 1e-5)).all()
+                ref[i].weight.data.copy_(model[i].weight.data)
+                ref[i].bias.data.copy_(model[i].bias.data)
+                ref[i].set_mask(model[i].mask)
+            yb = ref(xb)
+        ya.float().pow(2).sum().backward()
+        yb.float().pow(2).sum().backward()
+        assert _rel(ya, yb) < 1e-2 and _rel(xa.grad, xb.grad) < 1e-2
+        for i in (0, 2):
+            assert _rel(model[i].weight.grad, ref[i].weight.grad) < 1e-2
+            model[i].weight.grad = ref[i].weight.grad = None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,tokens", [(4096, 1024, 12608), (1024, 4096, 13008)])
+def test_gpu_selected_alg_is_correct_on_fresh_data(m, k, tokens):
+    choice = select_alg(m, k, tokens, torch.bfloat16)
+    assert choice is not None and choice.rel_err < 1e-2
+    am = transposable24(torch.randn(m, k, device="cuda", dtype=torch.bfloat16)).wm
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    y = sparse_mm_t(compress(am), x, choice)
+    assert _rel(y, x.float() @ am.float().t()) < 1e-2
