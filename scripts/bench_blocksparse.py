@@ -1,0 +1,393 @@
+"""Block-sparse kernels on a GPU: correctness (bf16 + fp16 vs the plain-torch reference) and timings of
+ours vs dense cuBLAS ``nn.Linear`` vs torch's ``bsr_dense_mm`` (forward only: it has no backward), plus
+parameter + Adam memory and a BERT-base MLM training step. Ratios are measured side by side in one run.
+
+    PYTHONUNBUFFERED=1 python scripts/bench_blocksparse.py --check-all-configs --bert-profile
+
+Writes ``$OUT/bench_blocksparse.json`` (or ./ when OUT is unset) and prints a short table last.
+Options: ``--shapes 1024x4096,4096x1024`` (in x out), ``--blocks 16,32,64``, ``--densities 0.5,0.25,0.1``,
+``--tokens 16384``, ``--check-all-configs`` (run every tile candidate through the correctness check).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import sparsetrain.kernels.blocksparse as bs
+from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear
+from sparsetrain.kernels.blocksparse_reference import reference_grads, values_to_dense
+from sparsetrain.sparsity.layout import Block, n_active_blocks, random_mask
+
+DEV = "cuda"
+R: dict = {}
+LOG: list[str] = []
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+def bench(fn, grad_to_none=None) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def make_mask(out_f: int, in_f: int, b: int, density: float, seed: int) -> torch.Tensor:
+    k = n_active_blocks((out_f, in_f), Block(b, b), density)
+    return random_mask((out_f // b, in_f // b), k, torch.Generator().manual_seed(seed))
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    if not torch.isfinite(a).all():
+        return float("nan")
+    den = ref.norm().item()
+    return (a - ref).norm().item() / den if den > 0 else (a - ref).norm().item()
+
+
+# ---- sections -------------------------------------------------------------------------------------
+def sec_env(args) -> dict:
+    import triton
+
+    a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
+    t = bench(lambda: a @ b)
+    x = torch.empty(2 * 1024**3, device=DEV, dtype=torch.uint8)
+    y = torch.empty_like(x)
+    tc = bench(lambda: y.copy_(x))
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+           "bf16_gemm_tflops": 2 * 8192**3 / t / 1e9, "copy_TBps": 2 * 2 * 1024**3 / (tc * 1e-3) / 1e12,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    say(f"{out['gpu']} torch {out['torch']} triton {out['triton']} SMs {out['sms']}: "
+        f"bf16 GEMM {out['bf16_gemm_tflops']:.0f} TFLOP/s, copy {out['copy_TBps']:.2f} TB/s")
+    return out
+
+
+def _check_one(T, I, O, b, mask, dtype, bias=True) -> dict:
+    meta = BlockSparseMeta.from_mask(mask.to(DEV), b)
+    x = torch.randn(T, I, device=DEV, dtype=dtype, requires_grad=True)
+    v = (torch.randn(meta.n_blocks, b, b, device=DEV, dtype=dtype) / b**0.5).requires_grad_()
+    bb = torch.randn(O, device=DEV, dtype=dtype, requires_grad=True) if bias else None
+    y = block_sparse_linear(x, v, meta, bb)
+    g = torch.randn_like(y)
+    y.backward(g)
+    with torch.no_grad():
+        x32, v32, g32 = x.detach().float(), v.detach().float(), g.float()
+        yr = x32 @ values_to_dense(v32, meta).t() + (bb.detach().float() if bias else 0)
+        dxr, dvr, dbr = reference_grads(x32, g32, v32, meta)
+    r = {"y": rel(y, yr), "dx": rel(x.grad, dxr), "dv": rel(v.grad, dvr)}
+    if bias:
+        r["db"] = rel(bb.grad, dbr)
+    return r
+
+
+def sec_check(args) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bs.TUNE = False  # first candidate everywhere here; --check-all-configs covers the others
+    bs.POISON_OUTPUTS = True  # every kernel output starts as NaN: an unwritten element fails the check
+    out, worst = {}, 0.0
+    T = 8192 + 37  # not a multiple of any tile
+
+    def record(name, r):
+        nonlocal worst
+        out[name] = r
+        bad = [k for k, e in r.items() if not (e < 1e-2)]
+        worst = max([worst] + [1.0 if math.isnan(e) else e for e in r.values()])
+        say(f"check {name}: " + " ".join(f"{k} {e:.1e}" for k, e in r.items()) + (f"  FAIL {bad}" if bad else ""))
+
+    for dtype in (torch.bfloat16, torch.float16):
+        dn = str(dtype).replace("torch.", "")
+        for (I, O) in ((1024, 4096), (4096, 1024), (768, 3072)):
+            for b in (16, 32, 64, 128):
+                for d in (0.1, 0.5):
+                    mask = make_mask(O, I, b, d, seed=b + int(100 * d))
+                    record(f"{dn} {I}->{O} b{b} d{d}", _check_one(T, I, O, b, mask, dtype, bias=d > 0.3))
+        # special topologies at a smaller shape
+        I, O = 512, 1024
+        for b in (16, 64):
+            m = make_mask(O, I, b, 0.3, seed=7)
+            m[: m.shape[0] // 4] = False      # empty block rows
+            m[:, 1::3] = False                # empty block columns
+            record(f"{dn} empty rows+cols b{b}", _check_one(T, I, O, b, m, dtype))
+            record(f"{dn} dense b{b}", _check_one(T, I, O, b, torch.ones(O // b, I // b, dtype=torch.bool), dtype))
+            one = torch.zeros(O // b, I // b, dtype=torch.bool)
+            one[3, 2] = True
+            record(f"{dn} single block b{b}", _check_one(T, I, O, b, one, dtype))
+            record(f"{dn} T=5 b{b}", _check_one(5, I, O, b, make_mask(O, I, b, 0.25, seed=3), dtype))
+    if args.check_all_configs:
+        for b in (16, 32, 64, 128):
+            mask = make_mask(4096, 1024, b, 0.25, seed=11)
+            for c in bs._DDS_CANDIDATES[b]:
+                with bs.forced_config(fwd=c, dx=c):
+                    record(f"bf16 b{b} dds {tuple(c)}", _check_one(T, 1024, 4096, b, mask, torch.bfloat16, False))
+            for c in bs._DW_CANDIDATES[b]:
+                with bs.forced_config(dw=c):
+                    record(f"bf16 b{b} dw {tuple(c)}", _check_one(T, 1024, 4096, b, mask, torch.bfloat16, False))
+    bs.POISON_OUTPUTS = False
+    bs.TUNE = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    say(f"check: worst relative error {worst:.2e} ({'PASS' if worst < 1e-2 else 'FAIL'}, threshold 1e-2)")
+    return {"cases": out, "worst": worst}
+
+
+def _time_dense(T, I, O):
+    lin = torch.nn.Linear(I, O, bias=False, device=DEV, dtype=torch.bfloat16)
+    x = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(T, O, device=DEV, dtype=torch.bfloat16)
+    fwd = bench(lambda: lin(x))
+    y = lin(x)
+    bwd = bench(lambda: torch.autograd.grad(y, (x, lin.weight), g, retain_graph=True))
+
+    def step():
+        lin(x).backward(g)
+    fb = bench(step, grad_to_none=[x, lin.weight])
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fb}
+
+
+def _time_ours(T, I, O, b, d):
+    mask = make_mask(O, I, b, d, seed=1)
+    meta = BlockSparseMeta.from_mask(mask.to(DEV), b)
+    v = (torch.randn(meta.n_blocks, b, b, device=DEV, dtype=torch.bfloat16) / b**0.5).requires_grad_()
+    x = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(T, O, device=DEV, dtype=torch.bfloat16)
+    y = block_sparse_linear(x, v, meta)
+    torch.autograd.grad(y, (x, v), g, retain_graph=True)  # tunes fwd / dx / dw once
+    fwd = bench(lambda: block_sparse_linear(x, v, meta))
+    bwd = bench(lambda: torch.autograd.grad(y, (x, v), g, retain_graph=True))
+
+    def step():
+        block_sparse_linear(x, v, meta).backward(g)
+    fb = bench(step, grad_to_none=[x, v])
+    xd, gd = x.detach(), g.detach()
+    dx_only = bench(lambda: bs._dds(gd, v.detach(), meta, None, forward=False))
+    dw_only = bench(lambda: bs._sampled_grad(xd, gd, meta, with_bias=False))
+    # the peer, as in shared/bench/anchors.py: W (BSR) @ Xᵀ with X given as a contiguous (I, T) tensor
+    peer = None
+    try:
+        from torch.sparse._triton_ops import bsr_dense_mm
+
+        w = values_to_dense(v.detach(), meta)
+        wb = w.to_sparse_bsr((b, b))
+        xt = x.detach().t().contiguous()
+        yp = bsr_dense_mm(wb, xt)
+        perr = rel(yp.t(), y.detach().float())
+        peer = {"fwd": bench(lambda: bsr_dense_mm(wb, xt)), "err_vs_ours": perr}
+    except Exception as e:  # noqa: BLE001 - keep going: the peer is optional
+        peer = {"error": repr(e)[:200]}
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fb, "dx_kernel": dx_only, "dw_kernel": dw_only,
+            "n_blocks": meta.n_blocks, "density": meta.density, "peer": peer}
+
+
+def sec_linear(args) -> dict:
+    out = {}
+    T = args.tokens
+    for shp in args.shapes.split(","):
+        I, O = (int(s) for s in shp.split("x"))
+        dense = _time_dense(T, I, O)
+        row = {"dense": dense}
+        say(f"dense {T}x{I}->{O}: fwd {dense['fwd']:.3f} bwd {dense['bwd']:.3f} fwd+bwd {dense['fwd_bwd']:.3f} ms")
+        for b in (int(s) for s in args.blocks.split(",")):
+            for d in (float(s) for s in args.densities.split(",")):
+                try:
+                    r = _time_ours(T, I, O, b, d)
+                except Exception as e:  # noqa: BLE001 - one failing configuration must not end the run
+                    traceback.print_exc()
+                    row[f"b{b}_d{d}"] = {"error": repr(e)[:300]}
+                    continue
+                r["speedup"] = {k: dense[k] / r[k] for k in ("fwd", "bwd", "fwd_bwd")}
+                pf = r["peer"].get("fwd")
+                r["speedup"]["peer_fwd"] = dense["fwd"] / pf if pf else None
+                row[f"b{b}_d{d}"] = r
+                say(f"  b{b} d{d}: fwd {r['fwd']:.3f} ({r['speedup']['fwd']:.2f}x) bwd {r['bwd']:.3f} "
+                    f"({r['speedup']['bwd']:.2f}x) fwd+bwd {r['fwd_bwd']:.3f} ({r['speedup']['fwd_bwd']:.2f}x)"
+                    f" [dx {r['dx_kernel']:.3f} dw {r['dw_kernel']:.3f}] | peer fwd "
+                    f"{pf if pf is None else round(pf, 3)} ms ({r['speedup']['peer_fwd'] or 0:.2f}x)")
+        out[shp] = row
+        out["tuned"] = bs.tuned_configs()
+        R["linear"] = out
+        save()
+    return out
+
+
+def _state_bytes(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    bufs = sum(t.numel() * t.element_size() for t in module.buffers())
+    return {"params": params, "adam_state": state, "buffers": bufs, "total": params + state + bufs}
+
+
+def sec_memory(args) -> dict:
+    from sparsetrain.nn import SparseLinear
+
+    out = {}
+    for (I, O) in ((1024, 4096), (4096, 16384)):
+        lin = torch.nn.Linear(I, O, device=DEV)
+        x = torch.randn(64, I, device=DEV)
+        rows = {}
+        for name, mod in [("dense", lin)] + [
+                (f"block{b}", SparseLinear.from_dense(lin, density=0.1, block=b, format="block")) for b in (16, 64)]:
+            opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
+            mod(x).square().mean().backward()
+            opt.step()
+            rows[name] = _state_bytes(mod, opt)
+        for row in rows.values():
+            row["ratio_vs_dense"] = row["total"] / rows["dense"]["total"]
+        out[f"{I}x{O}"] = rows
+        say(f"memory {I}->{O} fp32 params+AdamW (+metadata): " + ", ".join(
+            f"{k} {v['total'] / 2**20:.2f} MiB ({v['ratio_vs_dense']:.3f}x)" for k, v in rows.items()))
+    return out
+
+
+def sec_bert(args) -> dict:
+    from transformers import BertConfig, BertForMaskedLM
+
+    from sparsetrain.nn import SparseLinear
+
+    out = {}
+    B, S = 64, 128
+    kinds = ["dense"] + [f"block{b}_d0.1" for b in (int(v) for v in args.bert_blocks.split(","))]
+    for kind in kinds:
+        torch.manual_seed(0)
+        torch.cuda.empty_cache()
+        cfg = BertConfig()
+        model = BertForMaskedLM(cfg).to(DEV).train()
+        n_swapped = 0
+        if kind != "dense":
+            for name, mod in list(model.named_modules()):
+                for child_name, child in list(mod.named_children()):
+                    full = f"{name}.{child_name}"
+                    if isinstance(child, torch.nn.Linear) and ".encoder.layer." in full:
+                        blk = int(kind.split("_")[0][len("block"):])
+                        setattr(mod, child_name, SparseLinear.from_dense(child, density=0.1, block=blk,
+                                                                         format="block"))
+                        n_swapped += 1
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        ids = torch.randint(0, cfg.vocab_size, (B, S), device=DEV)
+        labels = ids.masked_fill(torch.rand(B, S, device=DEV) > 0.15, -100)
+
+        def step(model=model, opt=opt, ids=ids, labels=labels):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        for _ in range(5):
+            loss = step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        n = 20
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            loss = step()
+        e1.record()
+        torch.cuda.synchronize()
+        ms = e0.elapsed_time(e1) / n
+        peak = torch.cuda.max_memory_allocated()
+        st = _state_bytes(model, opt)
+        if args.bert_profile:  # where the step's GPU time goes: top kernels
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(2):
+                    step()
+                torch.cuda.synchronize()
+            ka = prof.key_averages()
+            attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+            rows = sorted(ka, key=lambda e: getattr(e, attr), reverse=True)
+            total = sum(getattr(e, attr) for e in ka) / 2e3
+            say(f"bert {kind} profile: {total:.2f} ms of kernels per step; top kernels (ms/step):")
+            for e in rows[:12]:
+                say(f"    {getattr(e, attr) / 2e3:7.3f}  {e.count // 2:4d}x  {e.key[:90]}")
+        out[kind] = {"step_ms": ms, "tokens_per_s": B * S / (ms * 1e-3), "peak_bytes": peak,
+                     "loss": loss.item(), "swapped_linears": n_swapped, **st}
+        say(f"bert {kind}: {ms:.2f} ms/step, {B * S / (ms * 1e-3):,.0f} tok/s, peak {peak / 2**30:.2f} GiB, "
+            f"params+adam {st['total'] / 2**20:.0f} MiB, loss {loss.item():.3f}, swapped {n_swapped}")
+        del model, opt, step
+    d = out["dense"]
+    for kind in kinds[1:]:
+        s = out[kind]
+        r = out[f"ratio_{kind}"] = {"tokens_per_s": s["tokens_per_s"] / d["tokens_per_s"],
+                                    "peak": s["peak_bytes"] / d["peak_bytes"], "params_adam": s["total"] / d["total"]}
+        say(f"bert ratio {kind}/dense: tokens/s {r['tokens_per_s']:.2f}x, peak memory {r['peak']:.2f}x, "
+            f"params+adam {r['params_adam']:.2f}x (fp32 weights, bf16 autocast, fused AdamW)")
+    return out
+
+
+def sec_kernels(args) -> dict:
+    """One launch of each kernel per configuration, untuned (first candidates): a target for ncu."""
+    bs.TUNE = False
+    T = args.tokens
+    for shp in args.shapes.split(","):
+        I, O = (int(s) for s in shp.split("x"))
+        for b in (int(s) for s in args.blocks.split(",")):
+            for d in (float(s) for s in args.densities.split(",")):
+                meta = BlockSparseMeta.from_mask(make_mask(O, I, b, d, seed=1).to(DEV), b)
+                v = torch.randn(meta.n_blocks, b, b, device=DEV, dtype=torch.bfloat16) / b**0.5
+                x = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+                g = torch.randn(T, O, device=DEV, dtype=torch.bfloat16)
+                bs._dds(x, v, meta, None, forward=True)
+                bs._dds(g, v, meta, None, forward=False)
+                bs._sampled_grad(x, g, meta, with_bias=False)
+                torch.cuda.synchronize()
+                say(f"kernels {shp} b{b} d{d}: launched fwd, dx, dw")
+    bs.TUNE = True
+    return {}
+
+
+def save() -> None:
+    """Write everything measured so far (called after each section and each linear shape, so a run cut
+    short by its time limit still leaves its numbers)."""
+    path = os.path.join(os.environ.get("OUT", "."), "bench_blocksparse.json")
+    with open(path, "w") as f:
+        json.dump({"results": R, "log": LOG, "argv": sys.argv}, f, indent=1, default=str)
+
+
+SECTIONS = {"env": sec_env, "check": sec_check, "linear": sec_linear, "memory": sec_memory, "bert": sec_bert,
+            "kernels": sec_kernels}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sections", default="env,check,memory,bert,linear")
+    p.add_argument("--shapes", default="768x3072,3072x768,1024x4096,4096x1024,4096x16384,16384x4096")
+    p.add_argument("--blocks", default="16,32,64")
+    p.add_argument("--densities", default="0.5,0.25,0.1")
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--check-all-configs", action="store_true")
+    p.add_argument("--bert-profile", action="store_true")
+    p.add_argument("--bert-blocks", default="16", help="block sizes of the sparse BERT variants (density 0.1)")
+    args = p.parse_args()
+    t0 = time.time()
+    for name in args.sections.split(","):
+        say(f"== {name}")
+        try:
+            R[name] = SECTIONS[name](args)
+        except Exception as e:  # noqa: BLE001 - sections fail independently
+            traceback.print_exc()
+            R[name] = {"error": repr(e)[:500]}
+            say(f"{name}: ERROR {e!r}"[:300])
+        say(f"   ({time.time() - t0:.0f} s so far)")
+        save()
+    print("\n==== summary ====")
+    for line in LOG:
+        if "FAIL" in line or not line.startswith(("check ", "==", "   (")):
+            print(line)
+
+
+if __name__ == "__main__":
+    main()

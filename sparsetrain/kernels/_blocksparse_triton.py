@@ -1,0 +1,184 @@
+"""Triton kernels for block-sparse training: ``Y = X·Wᵀ``, ``dX = dY·W`` and ``dW = dYᵀ·X`` at active blocks.
+
+The weight ``W [O, I]`` is stored compressed: ``values [n_blocks, B, B]`` holds only the active ``B x B``
+blocks, in row-major block order (slot ``s`` is the ``s``-th active block when the block grid is read row by
+row). :mod:`sparsetrain.kernels.blocksparse` builds the int32 metadata and launches these kernels; it also
+explains the launch geometry. Two kernels cover the three products:
+
+- :func:`dense_x_blocksparse_kernel` (``out = A · B`` with ``B`` block-sparse): the forward pass
+  (``A = X``, ``B = Wᵀ``, entries listed per block-row of ``W``) and the input gradient (``A = dY``,
+  ``B = W``, entries listed per block-column of ``W`` through the transpose metadata — no transposed
+  copy of the values). One program per (``BLOCK_T`` tokens, a run of ``B``-wide output column blocks).
+- :func:`sampled_grad_kernel` (``dW = dYᵀ · X`` only at active blocks): one program per (group of up to
+  ``GROUP`` active blocks of one block-row, slice of the tokens), reducing over the tokens.
+
+Small blocks would give ``tl.dot`` operands only 16 wide; both kernels therefore gather ``GROUP_K`` /
+``GROUP`` blocks side by side into one wider operand (a ``[BLOCK_T, GROUP*B]`` strip of ``X``), so the
+tensor cores see K = 64 (forward) or M = 64..128 (weight gradient) even at ``B = 16``.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dense_x_blocksparse_kernel(
+    a_ptr,     # [T, K] dense left operand (X in the forward, dY for dX), strides (stride_at, stride_ak)
+    v_ptr,     # [n_blocks, BLOCK, BLOCK] block values of W (contiguous); A's dtype or float32 (cast on load)
+    ptr_ptr,   # [n_out_blocks + 1] int32: padded entries of output column block j are ptr[j] .. ptr[j + 1] - 1
+    kidx_ptr,  # [n_entries] int32 per padded entry: which BLOCK-wide column block of A it multiplies
+    slot_ptr,  # [n_entries] int32 per padded entry: slot of its block in v_ptr, -1 for padding
+    oidx_ptr,  # [n_entries] int32 per padded entry: its output column block j
+    bias_ptr,  # [N] bias, read only when HAS_BIAS
+    out_ptr,   # [T, N] dense output, unit column stride, row stride stride_o; every element is written
+    T, stride_at, stride_ak, stride_o, n_out_blocks, n_ranges, blocks_per_prog,
+    FORWARD: tl.constexpr,   # True: B = Wᵀ (entries listed per block-row of W); False: B = W (per block-column)
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,     # block edge B (16, 32, 64, 128)
+    GROUP_K: tl.constexpr,   # blocks gathered into one tl.dot (K = GROUP_K * BLOCK); entry lists padded to it
+    BLOCK_T: tl.constexpr,   # tokens per program
+    CACHE_A: tl.constexpr,   # cache modifier of the A loads: ".ca" keeps them in L1 for re-reads by this program
+):
+    pid = tl.program_id(0)
+    # A program owns BLOCK_T tokens and blocks_per_prog consecutive output column blocks, walked as ONE
+    # flat loop over their (padded) entries so the load pipeline never drains between output blocks; an
+    # output block is stored when its last entry has been multiplied. The range index is the fast one:
+    # programs running together share one token tile of A in L2.
+    pid_t = pid // n_ranges
+    rng = pid % n_ranges
+    j_first = rng * blocks_per_prog
+    j_last = tl.minimum(j_first + blocks_per_prog, n_out_blocks)
+    e_begin = tl.load(ptr_ptr + j_first)
+    e_end = tl.load(ptr_ptr + j_last)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    offs_b = tl.arange(0, BLOCK)
+    # int64 row offsets: T * K can pass 2**31 for long sequences. (Launchers pass row-major A: stride_ak == 1,
+    # which Triton specializes, so the gathered rows are known contiguous and loaded 16 bytes at a time.)
+    a_rows = a_ptr + offs_t.to(tl.int64)[:, None] * stride_at
+    out_rows = out_ptr + offs_t.to(tl.int64)[:, None] * stride_o
+    acc = tl.zeros((BLOCK_T, BLOCK), dtype=tl.float32)
+    for e0 in range(e_begin, e_end, GROUP_K):
+        j = tl.load(oidx_ptr + e0)
+        seg_end = tl.load(ptr_ptr + j + 1)
+        if GROUP_K == 1:
+            kb = tl.load(kidx_ptr + e0)
+            slot = tl.load(slot_ptr + e0)
+            cols_ok = offs_b < tl.where(slot >= 0, BLOCK, 0)  # all False for a padding entry
+            a = tl.load(a_rows + (kb * BLOCK + offs_b[None, :]) * stride_ak, mask=t_ok[:, None] & cols_ok[None, :],
+                        other=0.0, cache_modifier=CACHE_A)
+            vb = v_ptr + tl.maximum(slot, 0) * (BLOCK * BLOCK)
+            v = tl.load(vb + offs_b[:, None] * BLOCK + offs_b[None, :], mask=cols_ok[:, None], other=0.0)
+            v = v.to(a_ptr.dtype.element_ty)  # float32 master values under autocast: cast here, not per step
+            if FORWARD:
+                v = tl.trans(v)  # B[k, n] = W_block[n, k]
+        else:
+            ent = e0 + tl.arange(0, GROUP_K)
+            kb = tl.load(kidx_ptr + ent)
+            slot = tl.load(slot_ptr + ent)
+            ok = slot >= 0
+            # [BLOCK_T, GROUP_K, BLOCK] strip of A: GROUP_K gathered column blocks, each BLOCK contiguous.
+            a = tl.load(a_rows[:, :, None] + ((kb * BLOCK)[None, :, None] + offs_b[None, None, :]) * stride_ak,
+                        mask=t_ok[:, None, None] & ok[None, :, None], other=0.0, cache_modifier=CACHE_A)
+            a = tl.reshape(a, (BLOCK_T, GROUP_K * BLOCK))
+            vb = v_ptr + tl.maximum(slot, 0) * (BLOCK * BLOCK)
+            if FORWARD:
+                # [n, g, k] = W_slot(g)[n, k]; reshaped to [n, (g, k)] and transposed to [(g, k), n].
+                v = tl.load(vb[None, :, None] + offs_b[:, None, None] * BLOCK + offs_b[None, None, :],
+                            mask=ok[None, :, None], other=0.0)
+                v = tl.trans(tl.reshape(v.to(a_ptr.dtype.element_ty), (BLOCK, GROUP_K * BLOCK)))
+            else:
+                # [g, k, n] = W_slot(g)[k, n] -> [(g, k), n]
+                v = tl.load(vb[:, None, None] + offs_b[None, :, None] * BLOCK + offs_b[None, None, :],
+                            mask=ok[:, None, None], other=0.0)
+                v = tl.reshape(v.to(a_ptr.dtype.element_ty), (GROUP_K * BLOCK, BLOCK))
+        acc = tl.dot(a, v, acc)
+        if e0 + GROUP_K >= seg_end:  # last entry of output block j: write it, start the next one
+            res = acc
+            if HAS_BIAS:
+                res += tl.load(bias_ptr + j * BLOCK + offs_b).to(tl.float32)[None, :]
+            tl.store(out_rows + j * BLOCK + offs_b[None, :], res.to(out_ptr.dtype.element_ty), mask=t_ok[:, None])
+            acc = tl.zeros((BLOCK_T, BLOCK), dtype=tl.float32)
+
+
+@triton.jit
+def sampled_grad_kernel(
+    x_ptr,       # [T, I] layer input X, strides (stride_xt, stride_xk) (row-major: stride_xk == 1)
+    dy_ptr,      # [T, O] output gradient dY, unit column stride, row stride stride_dy
+    grow_ptr,    # [n_groups] int32: block row of each group
+    gstart_ptr,  # [n_groups] int32: first slot of the group (the slots of one block row are consecutive)
+    gcount_ptr,  # [n_groups] int32: blocks in the group, 0..GROUP (0: an empty block row, kept for dbias)
+    gfirst_ptr,  # [n_groups] int32: 1 for the first group of its block row (it alone adds the bias gradient)
+    kidx_ptr,    # [n_blocks] int32: block column of each slot
+    dv_ptr,      # [n_blocks, BLOCK, BLOCK] gradient of the values: float32 zero-filled when SPLIT > 1, else any dtype
+    db_ptr,      # [O] float32 bias gradient, zero-filled; written only when HAS_DBIAS
+    T, stride_xt, stride_xk, stride_dy, n_groups, t_per_split,
+    HAS_DBIAS: tl.constexpr,
+    BLOCK: tl.constexpr,     # block edge B
+    GROUP: tl.constexpr,     # blocks per group: the tl.dot has M = GROUP * BLOCK
+    BLOCK_T: tl.constexpr,   # tokens per reduction step
+    SPLIT: tl.constexpr,     # token slices; > 1 adds partial sums with fp32 atomics
+):
+    pid = tl.program_id(0)
+    # Token slice is the slow index: the programs running together all read one slice of X and dY,
+    # which fits in L2, so each byte comes from DRAM about once although a column block of X is read by
+    # every active block of that column.
+    split = pid // n_groups
+    grp = pid % n_groups
+    r = tl.load(grow_ptr + grp)
+    s0 = tl.load(gstart_ptr + grp)
+    cnt = tl.load(gcount_ptr + grp)
+    offs_b = tl.arange(0, BLOCK)
+    t_begin = split * t_per_split
+    t_end = tl.minimum(t_begin + t_per_split, T)
+    if not HAS_DBIAS:
+        t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
+    acc = tl.zeros((GROUP * BLOCK, BLOCK), dtype=tl.float32)
+    dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
+    if GROUP == 1:
+        kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
+        for t0 in range(t_begin, t_end, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = offs_t < t_end
+            rows = offs_t.to(tl.int64)[:, None]
+            # (an empty row reads column block 0 for nothing; only happens with a bias, and is not stored)
+            xg = tl.load(x_ptr + rows * stride_xt + (kb * BLOCK + offs_b[None, :]) * stride_xk, mask=t_ok[:, None],
+                         other=0.0)
+            dy = tl.load(dy_ptr + rows * stride_dy + r * BLOCK + offs_b[None, :], mask=t_ok[:, None], other=0.0)
+            acc = tl.dot(tl.trans(xg), dy, acc)  # acc[k, n] = sum_t X[t, kb*B + k] * dY[t, r*B + n]
+            if HAS_DBIAS:
+                dbacc += tl.sum(dy.to(tl.float32), axis=0)
+        # dW block (n, k) = acc[k, n]: store transposed.
+        dst = dv_ptr + s0 * (BLOCK * BLOCK) + offs_b[None, :] * BLOCK + offs_b[:, None]
+        has = (offs_b < BLOCK * tl.minimum(cnt, 1))[:, None]  # all False for an empty row
+        if SPLIT == 1:
+            tl.store(dst, acc.to(dv_ptr.dtype.element_ty), mask=has)
+        else:
+            tl.atomic_add(dst, acc, mask=has)
+    else:
+        offs_g = tl.arange(0, GROUP)
+        ok_g = offs_g < cnt
+        kb = tl.load(kidx_ptr + s0 + offs_g, mask=ok_g, other=0)
+        for t0 in range(t_begin, t_end, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = offs_t < t_end
+            rows = offs_t.to(tl.int64)[:, None]
+            xg = tl.load(x_ptr + rows[:, :, None] * stride_xt
+                         + ((kb * BLOCK)[None, :, None] + offs_b[None, None, :]) * stride_xk,
+                         mask=t_ok[:, None, None] & ok_g[None, :, None], other=0.0)
+            xg = tl.reshape(xg, (BLOCK_T, GROUP * BLOCK))
+            dy = tl.load(dy_ptr + rows * stride_dy + r * BLOCK + offs_b[None, :], mask=t_ok[:, None], other=0.0)
+            acc = tl.dot(tl.trans(xg), dy, acc)  # acc[(g, k), n] = dW block g at (n, k)
+            if HAS_DBIAS:
+                dbacc += tl.sum(dy.to(tl.float32), axis=0)
+        acc3 = tl.reshape(acc, (GROUP, BLOCK, BLOCK))  # [g, k, n]
+        dst = (dv_ptr + (s0 + offs_g)[:, None, None] * (BLOCK * BLOCK)
+               + offs_b[None, None, :] * BLOCK + offs_b[None, :, None])
+        if SPLIT == 1:
+            tl.store(dst, acc3.to(dv_ptr.dtype.element_ty), mask=ok_g[:, None, None])
+        else:
+            tl.atomic_add(dst, acc3, mask=ok_g[:, None, None])
+    if HAS_DBIAS:
+        first = tl.load(gfirst_ptr + grp)
+        tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1

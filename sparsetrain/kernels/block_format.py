@@ -1,0 +1,125 @@
+"""``format="block"``: a :class:`~sparsetrain.nn.SparseLinear` weight stored as its active blocks only.
+
+The layer gets ``values = nn.Parameter([n_active, br, bc])`` — so an optimizer built on it keeps Adam
+moments for the active blocks only (memory ≈ density x dense) — and the int32 block metadata as
+non-persistent buffers ``_bs_*`` (moved by ``.to()``, rebuilt from ``mask`` on load). The forward runs
+:func:`~sparsetrain.kernels.blocksparse.block_sparse_linear`: Triton kernels on CUDA for square blocks of
+16/32/64/128; the plain-torch reference otherwise (CPU, or blocks 1/4/8 and rectangular blocks, which keep
+the compressed storage and train correctly at dense-matmul speed).
+
+>>> import torch
+>>> from sparsetrain.nn import SparseLinear
+>>> lin = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block")
+>>> lin.values.shape
+torch.Size([12, 16, 16])
+>>> sorted(lin.state_dict())
+['bias', 'mask', 'weight']
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear
+from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
+from sparsetrain.nn.formats import WeightFormat, register_format
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparsetrain.nn.sparse_linear import SparseLinear
+
+_PREFIX = "_bs_"
+
+
+@register_format("block")
+class BlockFormat(WeightFormat):
+    """Compressed block storage (values of the active blocks + CSR/transpose metadata)."""
+
+    # ---- metadata held on the layer -------------------------------------------------------------
+    @staticmethod
+    def _install_meta(layer: SparseLinear, meta: BlockSparseMeta) -> None:
+        for name in BlockSparseMeta.TENSORS:
+            layer.register_buffer(_PREFIX + name, getattr(meta, name), persistent=False)
+        layer._bs_meta = meta
+
+    @staticmethod
+    def meta(layer: SparseLinear) -> BlockSparseMeta:
+        """The layer's metadata; re-wrapped (no rebuild) when ``.to()`` replaced its buffers."""
+        meta = layer._bs_meta
+        bufs = {name: getattr(layer, _PREFIX + name) for name in BlockSparseMeta.TENSORS}
+        if any(bufs[name] is not getattr(meta, name) for name in bufs):
+            meta = layer._bs_meta = meta.with_tensors(**bufs)
+        return meta
+
+    def _build_meta(self, layer: SparseLinear, mask: Tensor, device: torch.device) -> BlockSparseMeta:
+        return BlockSparseMeta.from_mask(mask.to(device=device, dtype=torch.bool), layer.block)
+
+    # ---- WeightFormat ---------------------------------------------------------------------------
+    def setup(self, layer, weight, mask):
+        meta = self._build_meta(layer, mask, weight.device)
+        layer.values = nn.Parameter(dense_to_values(weight.detach(), meta).clone())
+        self._install_meta(layer, meta)
+
+    def forward(self, layer, x):
+        hook = None
+        if layer.capture_dense_grad and torch.is_grad_enabled() and layer.values.requires_grad:
+            def hook(g: Tensor, layer=layer) -> None:
+                layer.dense_grad = g if layer.dense_grad is None else layer.dense_grad + g
+        return block_sparse_linear(x, layer.values, self.meta(layer), layer.bias, dense_grad_hook=hook)
+
+    def dense_weight(self, layer):
+        return values_to_dense(layer.values.detach(), self.meta(layer))
+
+    def load(self, layer, weight, mask):
+        values = layer.values
+        meta = self._build_meta(layer, mask, values.device)
+        new = dense_to_values(weight.to(device=values.device, dtype=values.dtype), meta)
+        with torch.no_grad():
+            layer.mask.copy_(mask.to(layer.mask.device))
+            if new.shape == values.shape:
+                values.copy_(new)
+            else:
+                # Another active count: same Parameter object, new storage. Optimizer state built for the
+                # old shape is stale; the schedulers load checkpoints before building the optimizer.
+                values.data = new.contiguous()
+        self._install_meta(layer, meta)
+
+    def set_mask(self, layer, new_mask, optimizer=None):
+        """Rewrite the topology keeping the active count: surviving blocks and their optimizer moments
+        move to their new slots, newly active blocks start at zero with zeroed moments."""
+        new_mask = new_mask.to(device=layer.mask.device, dtype=torch.bool)
+        old_mask = layer.mask
+        n_old, n_new = int(old_mask.sum()), int(new_mask.sum())
+        if n_new != n_old:
+            raise ValueError(f"new_mask has {n_new} active blocks but the block format keeps the count "
+                             f"constant at {n_old}; use set_format('masked') to change density")
+        values = layer.values
+        dev = values.device
+        old_m, new_m = old_mask.to(dev), new_mask.to(dev)
+        slot_old = torch.full(old_m.shape, -1, dtype=torch.long, device=dev)
+        slot_old[old_m] = torch.arange(n_old, device=dev)  # boolean indexing is row-major = slot order
+        slot_new = torch.full(new_m.shape, -1, dtype=torch.long, device=dev)
+        slot_new[new_m] = torch.arange(n_new, device=dev)
+        keep = old_m & new_m
+        src, dst = slot_old[keep], slot_new[keep]
+
+        def move(t: Tensor) -> None:
+            moved = torch.zeros_like(t)
+            moved[dst] = t[src]
+            t.copy_(moved)
+
+        with torch.no_grad():
+            move(values.data)
+            state = optimizer.state.get(values) if optimizer is not None else None
+            for v in (state or {}).values():
+                if torch.is_tensor(v) and v.shape == values.shape:
+                    move(v)
+            layer.mask.copy_(new_mask)
+        self._install_meta(layer, self._build_meta(layer, new_mask, dev))
+
+    def weight_parameter(self, layer):
+        return layer.values
+
+    def extra_repr(self) -> str:
+        return "block"

@@ -1,0 +1,495 @@
+"""Block-sparse linear layer with compressed storage: ``y = x · W_effᵀ + b`` where only the active
+``b x b`` blocks of ``W [O, I]`` exist in memory.
+
+Storage: ``values [n_blocks, b, b]`` (the active blocks in row-major block order: slot ``s`` is the
+``s``-th active block of the grid read row by row) and a :class:`BlockSparseMeta` of int32 index arrays:
+
+- ``row_ptr [R+1]``, ``col_idx [n]``, ``row_idx [n]``: CSR over block rows (forward ``Y = X·Wᵀ``);
+- ``col_ptr [C+1]``, ``t_row_idx [n]``, ``t_slot [n]``: the *transpose* metadata, CSR over block columns,
+  each entry naming its block row and its slot in ``values`` (input gradient ``dX = dY·W`` without a
+  transposed copy of the values).
+
+It is rebuilt from the layer's bool block mask ``[O/b, I/b]`` only when the topology changes.
+
+On CUDA (or under ``TRITON_INTERPRET=1``) with square blocks of 16, 32, 64 or 128 the three products run
+as Triton kernels (:mod:`._blocksparse_triton`); otherwise the plain-torch reference
+(:mod:`.blocksparse_reference`) computes the same function through a dense scatter, so the same layer
+trains on a CPU and with small blocks (1, 4, 8), only without the speed-up.
+
+>>> import torch
+>>> mask = torch.rand(6, 4) < 0.5
+>>> meta = BlockSparseMeta.from_mask(mask, 16)                       # W is 96 x 64
+>>> values = torch.randn(meta.n_blocks, 16, 16)
+>>> block_sparse_linear(torch.randn(37, 64), values, meta).shape
+torch.Size([37, 96])
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
+from sparsetrain.sparsity.layout import Block
+
+KERNEL_BLOCKS = (16, 32, 64, 128)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# ---- compressed format ------------------------------------------------------------------------------
+@dataclass(eq=False)
+class BlockSparseMeta:
+    """Index arrays of a block-sparse ``[out_features, in_features]`` weight (see the module docstring)."""
+
+    out_features: int
+    in_features: int
+    block_rows: int
+    block_cols: int
+    n_blocks: int
+    row_ptr: Tensor
+    col_idx: Tensor
+    row_idx: Tensor
+    col_ptr: Tensor
+    t_row_idx: Tensor
+    t_slot: Tensor
+    _groups: dict = field(default_factory=dict, repr=False)
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_row_idx", "t_slot")
+
+    @classmethod
+    def from_mask(cls, mask: Tensor, block: Block | int | str | tuple[int, int]) -> BlockSparseMeta:
+        """Build the metadata from a bool block mask ``[O/br, I/bc]`` (on the mask's device)."""
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+        if mask.dim() != 2:
+            raise ValueError(f"mask must be a 2-D block grid, got shape {tuple(mask.shape)}")
+        blk = Block.parse(block)
+        R, C = mask.shape
+        dev = mask.device
+        rows, cols = mask.nonzero(as_tuple=True)  # row-major order = slot order
+        n = int(rows.numel())
+        row_ptr = torch.zeros(R + 1, dtype=torch.int64, device=dev)
+        row_ptr[1:] = mask.sum(1).cumsum(0)
+        col_ptr = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+        col_ptr[1:] = mask.sum(0).cumsum(0)
+        slot_of = torch.full((R, C), -1, dtype=torch.int64, device=dev)
+        slot_of[rows, cols] = torch.arange(n, device=dev)
+        t_cols, t_rows = mask.t().nonzero(as_tuple=True)  # column-major order: per column, rows ascending
+        i32 = torch.int32
+        return cls(R * blk.rows, C * blk.cols, blk.rows, blk.cols, n,
+                   row_ptr.to(i32), cols.to(i32), rows.to(i32),
+                   col_ptr.to(i32), t_rows.to(i32), slot_of[t_rows, t_cols].to(i32))
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.out_features // self.block_rows, self.in_features // self.block_cols
+
+    @property
+    def block(self) -> int:
+        """Edge of a square block (raises for rectangular blocks)."""
+        if self.block_rows != self.block_cols:
+            raise ValueError(f"block {self.block_rows}x{self.block_cols} is not square")
+        return self.block_rows
+
+    @property
+    def density(self) -> float:
+        R, C = self.grid
+        return self.n_blocks / max(1, R * C)
+
+    @property
+    def device(self) -> torch.device:
+        return self.row_ptr.device
+
+    @property
+    def kernel_supported(self) -> bool:
+        """Square blocks of 16/32/64/128 run on the Triton kernels; others use the reference path."""
+        return self.block_rows == self.block_cols and self.block_rows in KERNEL_BLOCKS
+
+    def with_tensors(self, **tensors: Tensor) -> BlockSparseMeta:
+        """Same topology, index tensors replaced (e.g. after ``module.to(device)``); caches are dropped."""
+        return replace(self, **tensors, _groups={})
+
+    def to(self, device: torch.device | str) -> BlockSparseMeta:
+        return self.with_tensors(**{k: getattr(self, k).to(device) for k in self.TENSORS})
+
+    def padded_entries(self, forward: bool, group_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Entry lists of the dense x block-sparse kernel, per output column block, each padded to a
+        multiple of ``group_k`` (at least one group, so empty output blocks are written too):
+        ``(ptr [n_out+1], kidx, slot (-1 = padding), out_block)``. Forward: per block row of W (CSR);
+        input gradient: per block column (the transpose metadata). Cached per ``(forward, group_k)``."""
+        key = ("dds", forward, group_k)
+        if key not in self._groups:
+            if forward:
+                ptr, kidx = self.row_ptr.long(), self.col_idx.long()
+                slot = torch.arange(self.n_blocks, device=self.device)
+            else:
+                ptr, kidx, slot = self.col_ptr.long(), self.t_row_idx.long(), self.t_slot.long()
+            n_out = ptr.numel() - 1
+            counts = ptr[1:] - ptr[:-1]
+            padded = ((counts + group_k - 1) // group_k).clamp(min=1) * group_k
+            pptr = torch.zeros(n_out + 1, dtype=torch.long, device=self.device)
+            pptr[1:] = padded.cumsum(0)
+            out_block = torch.repeat_interleave(torch.arange(n_out, device=self.device), padded)
+            pos = torch.arange(out_block.numel(), device=self.device) - pptr[out_block]
+            real = pos < counts[out_block]
+            src = (ptr[out_block] + pos).clamp(max=max(self.n_blocks - 1, 0))
+            if self.n_blocks == 0:
+                pk, ps = torch.zeros_like(pos), torch.full_like(pos, -1)
+            else:
+                pk = torch.where(real, kidx[src], 0)
+                ps = torch.where(real, slot[src], -1)
+            i32 = torch.int32
+            self._groups[key] = (pptr.to(i32), pk.to(i32), ps.to(i32), out_block.to(i32))
+        return self._groups[key]
+
+    def dw_groups(self, group: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        """Groups of up to ``group`` consecutive active blocks of one block row, for the weight-gradient
+        kernel: ``(row, first_slot, count, is_first_of_row, n_groups)``. Every block row has at least one
+        group (count 0 when empty) so that the fused bias gradient covers it. Cached per ``group``."""
+        key = ("dw", group)
+        if key not in self._groups:
+            R, _ = self.grid
+            ptr = self.row_ptr.long()
+            counts = ptr[1:] - ptr[:-1]
+            ng = ((counts + group - 1) // group).clamp(min=1)
+            total = int(ng.sum())
+            grow = torch.repeat_interleave(torch.arange(R, device=self.device), ng)
+            chunk = torch.arange(total, device=self.device) - torch.repeat_interleave(ng.cumsum(0) - ng, ng)
+            gstart = ptr[grow] + chunk * group
+            gcount = (ptr[grow + 1] - gstart).clamp(0, group)
+            i32 = torch.int32
+            self._groups[key] = (grow.to(i32), gstart.to(i32), gcount.to(i32), (chunk == 0).to(i32), total)
+        return self._groups[key]
+
+
+# ---- tile choice: a small per-shape tuning cache --------------------------------------------------
+class DdsConfig(NamedTuple):
+    """Tiles of the dense x block-sparse kernel (forward and input gradient)."""
+
+    block_t: int
+    group_k: int
+    blocks_per_prog: int  # output column blocks walked by one program
+    num_warps: int
+    num_stages: int
+    cache_a: str = ""     # ".ca": gathered A tiles also cached in L1 (re-read by the same program)
+
+
+class DwConfig(NamedTuple):
+    """Tiles of the sampled weight-gradient kernel."""
+
+    group: int
+    block_t: int
+    num_warps: int
+    num_stages: int
+
+
+# At most 8 candidates per kernel and block size (each costs a compile and a short benchmark once).
+_C = DdsConfig
+_DDS_CANDIDATES = {
+    16: [_C(128, 4, 8, 4, 3), _C(128, 4, 8, 4, 3, ".ca"), _C(128, 2, 8, 4, 4, ".ca"), _C(128, 2, 1, 4, 4),
+         _C(128, 8, 16, 4, 3, ".ca"), _C(128, 4, 8, 8, 3), _C(128, 2, 8, 8, 2), _C(64, 4, 32, 4, 4, ".ca")],
+    32: [_C(128, 2, 4, 4, 3), _C(128, 2, 8, 4, 3, ".ca"), _C(128, 1, 8, 4, 4, ".ca"), _C(128, 1, 1, 4, 4),
+         _C(256, 1, 4, 8, 4), _C(128, 1, 4, 8, 3), _C(128, 1, 4, 8, 2), _C(64, 2, 16, 4, 4, ".ca")],
+    64: [_C(128, 1, 4, 4, 3), _C(128, 1, 8, 4, 3, ".ca"), _C(256, 1, 2, 8, 3), _C(128, 1, 1, 4, 3),
+         _C(128, 1, 4, 8, 3), _C(128, 1, 4, 8, 2), _C(64, 1, 16, 4, 4, ".ca"), _C(256, 1, 8, 8, 3, ".ca")],
+    128: [_C(128, 1, 2, 8, 3), _C(64, 1, 8, 4, 3, ".ca"), _C(64, 1, 1, 4, 4), _C(128, 1, 1, 8, 2)],
+}
+_DW_CANDIDATES = {
+    16: [DwConfig(4, 128, 4, 3), DwConfig(8, 128, 8, 3), DwConfig(4, 64, 4, 4), DwConfig(8, 64, 4, 4),
+         DwConfig(8, 128, 4, 3), DwConfig(8, 64, 8, 2)],
+    32: [DwConfig(2, 128, 4, 3), DwConfig(4, 128, 8, 3), DwConfig(2, 64, 4, 4), DwConfig(4, 64, 4, 4),
+         DwConfig(2, 128, 8, 2)],
+    64: [DwConfig(1, 128, 4, 3), DwConfig(2, 128, 8, 3), DwConfig(1, 64, 4, 4), DwConfig(2, 64, 4, 4),
+         DwConfig(1, 128, 8, 2), DwConfig(1, 64, 8, 3)],
+    128: [DwConfig(1, 64, 8, 3), DwConfig(1, 128, 8, 3)],
+}
+# Under the interpreter: small tiles; b16 exercises the gathered (GROUP_K > 1) path, b32 the scalar one,
+# and 2 output blocks per program exercise the in-loop store.
+_INTERP_DDS = {16: _C(16, 2, 2, 4, 1), 32: _C(16, 1, 2, 4, 1), 64: _C(16, 1, 2, 4, 1), 128: _C(16, 1, 2, 4, 1)}
+_INTERP_DW = {16: DwConfig(4, 16, 4, 1), 32: DwConfig(2, 16, 4, 1), 64: DwConfig(1, 16, 4, 1),
+              128: DwConfig(1, 16, 4, 1)}
+
+_TUNED: dict[tuple, NamedTuple] = {}
+_FORCED: dict[str, NamedTuple] = {}
+# Tests and the benchmark set this to fill kernel outputs with NaN first, so an unwritten element shows.
+POISON_OUTPUTS = False
+# False: take each block size's first candidate instead of timing them (quick correctness runs).
+TUNE = True
+
+
+@contextmanager
+def forced_config(**configs: NamedTuple) -> Iterator[None]:
+    """Pin tile choices, e.g. ``forced_config(fwd=DdsConfig(...), dx=..., dw=DwConfig(...))`` (tests,
+    benchmarks: every candidate must be correct, since tuning may pick any of them)."""
+    old = dict(_FORCED)
+    _FORCED.update(configs)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(old)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def tuned_configs() -> dict[str, str]:
+    """The tile choices made so far, ``{key: config}`` (for benchmark reports)."""
+    return {repr(k): repr(v) for k, v in _TUNED.items()}
+
+
+def _density_bucket(meta: BlockSparseMeta) -> int:
+    # half-octave buckets: 1.0 -> 0, 0.5 -> 2, 0.25 -> 4, 0.1 -> 7
+    return min(16, round(-2 * math.log2(max(meta.density, 1e-6))))
+
+
+def _pick(kind: str, key: tuple, device: torch.device, candidates: list, interp: NamedTuple, launch: Callable):
+    """Best candidate for ``key`` (timed once per key with do_bench, then cached); ``launch(cfg)`` must
+    run the whole operation. The interpreter and CUDA-graph capture take a fixed choice."""
+    if kind in _FORCED:
+        return _FORCED[kind]
+    if interpreting() or device.type != "cuda":
+        return interp
+    full = (kind,) + key
+    if full in _TUNED:
+        return _TUNED[full]
+    if not TUNE or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    from triton.testing import do_bench
+
+    best, best_ms = None, float("inf")
+    for cfg in candidates:
+        try:
+            ms = do_bench(lambda c=cfg: launch(c), warmup=5, rep=20, return_mode="median")
+        except Exception:  # noqa: BLE001, S112 - e.g. out of shared memory for this tile: try the next
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"no {kind} kernel configuration could run for {key}")
+    _TUNED[full] = best
+    return best
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def _choose_split(n_groups: int, T: int, block_t: int, device: torch.device) -> int:
+    """Token slices for the weight gradient: enough programs for ~4 per multiprocessor, while each slice
+    keeps at least 4 reduction steps."""
+    if interpreting() or device.type != "cuda":
+        return 2 if T >= 2 * block_t else 1  # exercise the atomic path in CPU tests
+    split, target = 1, 4 * _num_sms(device)
+    while split < 64 and n_groups * split < target and triton_cdiv(T, 2 * split) >= 4 * block_t:
+        split *= 2
+    return split
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- launchers ------------------------------------------------------------------------------------
+def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool) -> Tensor:
+    """``a [T, K] · B`` with ``B = Wᵀ`` (forward) or ``B = W`` (input gradient)."""
+    from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_kernel
+
+    B = meta.block
+    T = a.shape[0]
+    n_out = meta.grid[0] if forward else meta.grid[1]
+    out = torch.empty(T, n_out * B, dtype=a.dtype, device=a.device)
+    if POISON_OUTPUTS:
+        out.fill_(float("nan"))
+    if T == 0:
+        return out
+
+    def launch(cfg: DdsConfig) -> Tensor:
+        ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k)
+        n_ranges = triton_cdiv(n_out, cfg.blocks_per_prog)
+        grid = (triton_cdiv(T, cfg.block_t) * n_ranges,)
+        dense_x_blocksparse_kernel[grid](
+            a, values, ptr, kidx, slot, oidx, bias if bias is not None else a, out,
+            T, a.stride(0), a.stride(1), out.stride(0), n_out, n_ranges, cfg.blocks_per_prog,
+            FORWARD=forward, HAS_BIAS=bias is not None, BLOCK=B, GROUP_K=cfg.group_k, BLOCK_T=cfg.block_t,
+            CACHE_A=cfg.cache_a, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
+
+    key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features if forward else meta.out_features, n_out * B,
+           _density_bucket(meta), a.dtype, values.dtype, bias is not None)
+    cfg = _pick("fwd" if forward else "dx", key, a.device, _DDS_CANDIDATES[B], _INTERP_DDS[B], launch)
+    return launch(cfg)
+
+
+def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
+                  out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor | None]:
+    """``dvalues = blocks of dYᵀ·X at the active positions`` and, fused, ``dbias = Σ_t dY`` (float32).
+    ``dvalues`` comes back in ``out_dtype`` when the reduction is not split, else in float32."""
+    from sparsetrain.kernels._blocksparse_triton import sampled_grad_kernel
+
+    B = meta.block
+    T = x.shape[0]
+    dev = x.device
+
+    def launch(cfg: DwConfig) -> tuple[Tensor, Tensor | None]:
+        grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group)
+        split = _choose_split(n_groups, T, cfg.block_t, dev)
+        if split > 1:
+            dv = torch.zeros(meta.n_blocks, B, B, dtype=torch.float32, device=dev)
+        else:
+            dv = torch.empty(meta.n_blocks, B, B, dtype=out_dtype, device=dev)
+        if POISON_OUTPUTS and split == 1:
+            dv.fill_(float("nan"))
+        db = torch.zeros(meta.out_features, dtype=torch.float32, device=dev) if with_bias else None
+        if T == 0:
+            return dv.zero_(), db
+        t_per_split = triton_cdiv(triton_cdiv(T, split), cfg.block_t) * cfg.block_t
+        sampled_grad_kernel[(n_groups * split,)](
+            x, dy, grow, gstart, gcount, gfirst, meta.col_idx, dv, db if db is not None else dv,
+            T, x.stride(0), x.stride(1), dy.stride(0), n_groups, t_per_split,
+            HAS_DBIAS=with_bias, BLOCK=B, GROUP=cfg.group, BLOCK_T=cfg.block_t, SPLIT=split,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return dv, db
+
+    key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features, meta.out_features, _density_bucket(meta),
+           x.dtype, out_dtype, with_bias)
+    cfg = _pick("dw", key, dev, _DW_CANDIDATES[B], _INTERP_DW[B], launch)
+    return launch(cfg)
+
+
+# ---- autograd -------------------------------------------------------------------------------------
+class BlockSparseLinearFn(torch.autograd.Function):
+    """``y = x2d · W_effᵀ + bias`` on the Triton kernels. ``dense_grad_hook`` (or None): when given, the
+    backward computes the full dense ``dW = dYᵀ·X`` with one dense matmul, passes it (float32, ``[O, I]``)
+    to the hook, and takes the block gradient from it instead of running the sampled kernel."""
+
+    @staticmethod
+    def forward(ctx, x2d: Tensor, values: Tensor, bias: Tensor | None, meta: BlockSparseMeta,
+                dense_grad_hook: Callable[[Tensor], None] | None) -> Tensor:
+        ctx.save_for_backward(x2d, values)
+        ctx.meta, ctx.hook = meta, dense_grad_hook
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return _dds(x2d, values, meta, bias, forward=True)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x2d, values = ctx.saved_tensors
+        meta = ctx.meta
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        need_x, need_v, need_b = ctx.needs_input_grad[:3]
+        dx = _dds(dy, values, meta, None, forward=False) if need_x else None
+        dv = db = None
+        if ctx.hook is not None:
+            dense = torch.mm(dy.t(), x2d).float()  # one dense matmul, only on capture steps
+            ctx.hook(dense)
+            dv = dense_to_values(dense, meta).to(values.dtype) if need_v else None
+        elif need_v:
+            dv, db32 = _sampled_grad(x2d, dy, meta, with_bias=need_b, out_dtype=values.dtype)
+            dv = dv.to(values.dtype)  # no-op unless the token reduction was split (float32 partial sums)
+            db = db32.to(ctx.bias_dtype) if need_b else None
+        if need_b and db is None:
+            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dv, db, None, None
+
+
+class _DenseGradHook(torch.autograd.Function):
+    """Identity on the dense weight whose backward hands the incoming gradient to a hook (reference path)."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, hook: Callable[[Tensor], None]) -> Tensor:
+        ctx.hook = hook
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.hook(grad.detach().float())
+        return grad, None
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4
+        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    if not enabled:
+        return None
+    try:
+        return torch.get_autocast_dtype(device_type)
+    except AttributeError:  # torch < 2.4
+        return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
+
+
+def uses_kernels(x: Tensor, meta: BlockSparseMeta) -> bool:
+    """True when :func:`block_sparse_linear` runs the Triton kernels for this input."""
+    return (meta.kernel_supported and (x.is_cuda or interpreting()) and x.dtype in _KERNEL_DTYPES
+            and meta.out_features * meta.in_features < 2**31)  # block offsets are int32 in the kernels
+
+
+def _check(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None) -> None:
+    if not isinstance(meta, BlockSparseMeta):
+        raise TypeError(f"meta must be a BlockSparseMeta, got {type(meta).__name__}")
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() < 1 or x.shape[-1] != meta.in_features:
+        raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be in_features={meta.in_features}")
+    want = (meta.n_blocks, meta.block_rows, meta.block_cols)
+    if not isinstance(values, Tensor) or tuple(values.shape) != want:
+        raise ValueError(f"values has shape {tuple(getattr(values, 'shape', ()))}, expected {want}")
+    if bias is not None and tuple(bias.shape) != (meta.out_features,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({meta.out_features},)")
+    for name, t in (("values", values), ("bias", bias), ("meta", meta.row_ptr)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None = None, *,
+                        dense_grad_hook: Callable[[Tensor], None] | None = None) -> Tensor:
+    """``x · W_effᵀ + bias`` with ``W_eff`` given by compressed ``values`` and ``meta``; ``x [..., I]``.
+
+    ``values`` and ``bias`` have ``x``'s dtype, or float32 with a 16-bit ``x`` (mixed precision: the
+    kernels read the float32 master values and cast on load, and return float32 gradients, so no per-step
+    copy of the weights is made). Under autocast only ``x`` is cast. ``dense_grad_hook(g)``, when given,
+    receives the dense ``dL/dW_eff`` (float32 ``[O, I]``) during backward — the flag RigL's grow step needs.
+
+    >>> meta = BlockSparseMeta.from_mask(torch.ones(2, 2, dtype=torch.bool), 16)
+    >>> block_sparse_linear(torch.randn(5, 32), torch.randn(4, 16, 16), meta).shape
+    torch.Size([5, 32])
+    """
+    _check(x, values, meta, bias)
+    cast = _autocast_dtype(x.device.type)
+    if cast is not None:
+        x = x.to(cast)
+    ok = (x.dtype, torch.float32)
+    if values.dtype not in ok or (bias is not None and bias.dtype not in ok):
+        raise TypeError(f"dtypes differ: x {x.dtype}, values {values.dtype}, "
+                        f"bias {None if bias is None else bias.dtype} (values/bias must be x's dtype or float32)")
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, meta.in_features)
+    if uses_kernels(x2d, meta):
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        y = BlockSparseLinearFn.apply(x2d, values.contiguous(), bias, meta, dense_grad_hook)
+    else:
+        w = values_to_dense(values, meta).to(x.dtype)
+        bias = bias.to(x.dtype) if bias is not None else None
+        if dense_grad_hook is not None and torch.is_grad_enabled() and w.requires_grad:
+            w = _DenseGradHook.apply(w, dense_grad_hook)
+        y = F.linear(x2d, w, bias)
+    return y.reshape(*lead, meta.out_features)

@@ -1,0 +1,199 @@
+"""``format="block"`` inside SparseLinear: same function as the masked format, compressed parameters and
+optimizer state, state-dict round trips, topology changes that move values and Adam moments."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsetrain.kernels.block_format import BlockFormat
+from sparsetrain.kernels.blocksparse_reference import dense_to_values
+from sparsetrain.nn import SparseLinear
+from sparsetrain.sparsity.layout import Block, to_element_mask
+
+
+def pair(block=16, density=0.5, in_f=64, out_f=96, seed=0):
+    """A block-format layer and a masked-format layer with the same weight, mask and bias."""
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(in_f, out_f)
+    with torch.no_grad():
+        lin.bias.normal_()
+    blk = SparseLinear.from_dense(lin, density=density, block=block, format="block",
+                                  generator=torch.Generator().manual_seed(seed))
+    msk = SparseLinear.from_dense(lin, mask=blk.mask.clone(), block=block, format="masked")
+    return blk, msk
+
+
+@pytest.mark.parametrize("block", [16, 32, 4, 1])
+def test_same_outputs_and_grads_as_masked(block):
+    blk, msk = pair(block=block)
+    assert blk.values.shape == (blk.n_active, block, block)
+    x = torch.randn(3, 13, 64)
+    xb, xm = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yb, ym = blk(xb), msk(xm)
+    torch.testing.assert_close(yb, ym, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(yb)
+    yb.backward(dy)
+    ym.backward(dy)
+    torch.testing.assert_close(xb.grad, xm.grad, rtol=1e-5, atol=1e-5)
+    meta = BlockFormat.meta(blk)
+    torch.testing.assert_close(blk.values.grad, dense_to_values(msk.weight.grad, meta), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blk.bias.grad, msk.bias.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blk.dense_weight(), msk.dense_weight())
+
+
+def test_state_dict_round_trip_between_formats():
+    blk, msk = pair()
+    sd = blk.state_dict()
+    assert set(sd) == {"weight", "mask", "bias"} and sd["weight"].shape == (96, 64)
+    fresh_masked = SparseLinear(64, 96, block=16, format="masked")
+    fresh_masked.load_state_dict(sd)
+    x = torch.randn(10, 64)
+    torch.testing.assert_close(fresh_masked(x), blk(x), rtol=1e-5, atol=1e-5)
+    # masked -> block, into a block layer of another topology but the same count: in place
+    other = SparseLinear(64, 96, block=16, format="block",
+                         mask=torch.flip(blk.mask, dims=(0,)).contiguous())
+    p = other.values
+    other.load_state_dict(msk.state_dict())
+    assert other.values is p
+    assert torch.equal(other.mask, msk.mask)
+    torch.testing.assert_close(other(x), msk(x), rtol=1e-5, atol=1e-5)
+    # a different active count: same Parameter object, resized
+    dense_layer = SparseLinear(64, 96, block=16, format="block")
+    q = dense_layer.values
+    dense_layer.load_state_dict(sd)
+    assert dense_layer.values is q and q.shape == (blk.n_active, 16, 16)
+    torch.testing.assert_close(dense_layer(x), blk(x), rtol=1e-5, atol=1e-5)
+
+
+def _block_of(layer, pos):
+    r, c = pos
+    b = layer.block.rows
+    return layer.dense_weight()[r * b:(r + 1) * b, c * b:(c + 1) * b]
+
+
+def test_set_mask_moves_values_and_adam_moments():
+    blk, _ = pair(density=0.5)
+    opt = torch.optim.AdamW(blk.parameters(), lr=1e-2)
+    x = torch.randn(17, 64)
+    for _ in range(2):
+        blk(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    old_mask = blk.mask.clone()
+    state = opt.state[blk.values]
+    slot_old = {tuple(p): i for i, p in enumerate(old_mask.nonzero().tolist())}
+    old_vals = blk.values.detach().clone()
+    old_m1, old_m2 = state["exp_avg"].clone(), state["exp_avg_sq"].clone()
+    # drop 3 active blocks, grow 3 inactive ones
+    active, inactive = old_mask.nonzero().tolist(), (~old_mask).nonzero().tolist()
+    new_mask = old_mask.clone()
+    for r, c in active[:3]:
+        new_mask[r, c] = False
+    for r, c in inactive[-3:]:
+        new_mask[r, c] = True
+    param = blk.values
+    blk.set_mask(new_mask, opt)
+    assert blk.values is param and any(p is param for p in opt.param_groups[0]["params"])
+    assert torch.equal(blk.mask, new_mask)
+    slot_new = {tuple(p): i for i, p in enumerate(new_mask.nonzero().tolist())}
+    moved = 0
+    for pos, j in slot_new.items():
+        if pos in slot_old:
+            i = slot_old[pos]
+            moved += i != j
+            assert torch.equal(blk.values[j], old_vals[i])
+            assert torch.equal(state["exp_avg"][j], old_m1[i])
+            assert torch.equal(state["exp_avg_sq"][j], old_m2[i])
+        else:
+            assert not blk.values[j].any() and not state["exp_avg"][j].any() and not state["exp_avg_sq"][j].any()
+    assert moved > 0  # the test really exercises slots that shift
+    # the dense view puts survivors where they were and zeros at pruned positions
+    for pos in [tuple(p) for p in active[:3]]:
+        assert not _block_of(blk, pos).any()
+    # training goes on with the same optimizer
+    blk(x).square().mean().backward()
+    opt.step()
+    assert torch.isfinite(blk.values).all()
+
+
+def test_set_mask_sgd_momentum_and_count_check():
+    blk, _ = pair(density=0.25, block=1)
+    opt = torch.optim.SGD(blk.parameters(), lr=0.1, momentum=0.9)
+    blk(torch.randn(5, 64)).sum().backward()
+    opt.step()
+    buf = opt.state[blk.values]["momentum_buffer"]
+    new_mask = torch.roll(blk.mask, shifts=1, dims=1)
+    survivors = blk.mask & new_mask
+    before = dict(zip(map(tuple, blk.mask.nonzero().tolist()), buf.clone()))
+    blk.set_mask(new_mask, opt)
+    for j, pos in enumerate(map(tuple, new_mask.nonzero().tolist())):
+        expect = before[pos] if survivors[pos] else torch.zeros_like(buf[j])
+        assert torch.equal(buf[j], expect)
+    too_many = new_mask.clone()
+    too_many[~new_mask] = True
+    with pytest.raises(ValueError, match="active blocks"):
+        blk.set_mask(too_many, opt)
+
+
+def test_dense_grad_capture_equals_dense_gradient():
+    blk, msk = pair()
+    x = torch.randn(2, 9, 64)
+    for layer in (blk, msk):
+        layer.capture_dense_grad = True
+        for _ in range(2):  # accumulates across backward passes
+            layer(x).square().sum().backward()
+    assert blk.dense_grad.shape == (96, 64) and blk.dense_grad.dtype == torch.float32
+    torch.testing.assert_close(blk.dense_grad, msk.dense_grad, rtol=1e-5, atol=1e-4)
+    # it is dense: non-zero outside the mask as well
+    outside = ~to_element_mask(blk.mask, Block(16, 16))
+    assert blk.dense_grad[outside].abs().sum() > 0
+
+
+def test_memory_is_compressed_and_format_switch():
+    blk, _ = pair(density=0.25, in_f=128, out_f=128)
+    n_dense = 128 * 128
+    assert blk.values.numel() == blk.n_active * 256 == n_dense // 4
+    opt = torch.optim.AdamW(blk.parameters())
+    blk(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    assert opt.state[blk.values]["exp_avg"].numel() == n_dense // 4
+    x = torch.randn(6, 128)
+    y = blk(x)
+    blk.set_format("masked")
+    torch.testing.assert_close(blk(x), y, rtol=1e-5, atol=1e-5)
+    blk.set_format("block")
+    torch.testing.assert_close(blk(x), y, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_follows_buffer_moves():
+    blk, _ = pair()
+    x = torch.randn(4, 64)
+    y = blk(x)
+    old = blk._bs_meta
+    blk._apply(lambda t: t.clone())  # what .to(device) does to buffers: new tensors
+    assert BlockFormat.meta(blk) is not old
+    assert BlockFormat.meta(blk).row_ptr is blk._bs_row_ptr
+    torch.testing.assert_close(blk(x), y)
+
+
+@pytest.mark.gpu
+def test_gpu_block_format_matches_masked_under_autocast():
+    blk, msk = pair(block=32, density=0.25, in_f=1024, out_f=512)
+    blk.cuda()  # replaces the metadata buffers: the format re-wraps them
+    msk.cuda()
+    x = torch.randn(4, 300, 1024, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yb, ym = blk(x), msk(x)
+    assert yb.dtype == ym.dtype == torch.bfloat16
+    dy = torch.randn_like(yb)
+    yb.backward(dy)
+    ym.backward(dy)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(yb, ym) < 1e-2
+    meta = BlockFormat.meta(blk)
+    assert blk.values.grad.dtype == torch.float32
+    assert rel(blk.values.grad, dense_to_values(msk.weight.grad, meta)) < 1e-2
+    assert rel(blk.bias.grad, msk.bias.grad) < 1e-2

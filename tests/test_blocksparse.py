@@ -1,0 +1,311 @@
+"""Block-sparse kernels vs the plain-torch reference and vs dense F.linear with the masked weight.
+
+On the CPU the kernels run under TRITON_INTERPRET=1 (set by conftest) at small shapes in fp32/fp16;
+``@pytest.mark.gpu`` tests run bf16/fp16 at real shapes on the device machine (``pytest -m gpu``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparsetrain.kernels.blocksparse as bs
+from sparsetrain.kernels.blocksparse import (
+    BlockSparseMeta,
+    DdsConfig,
+    DwConfig,
+    block_sparse_linear,
+    forced_config,
+    uses_kernels,
+)
+from sparsetrain.kernels.blocksparse_reference import (
+    dense_to_values,
+    reference_grads,
+    reference_linear,
+    values_to_dense,
+)
+from sparsetrain.sparsity.layout import Block, to_element_mask
+
+
+def make_mask(pattern: str, grid: tuple[int, int], gen: torch.Generator) -> torch.Tensor:
+    R, C = grid
+    if pattern == "random":
+        m = torch.rand(R, C, generator=gen) < 0.5
+        m[R // 2, C // 2] = True
+    elif pattern == "empty_rows_cols":  # block row 0 and block column 1 hold nothing
+        m = torch.rand(R, C, generator=gen) < 0.7
+        m[0] = False
+        m[:, 1] = False
+        m[R - 1, 0] = True
+    elif pattern == "dense":
+        m = torch.ones(R, C, dtype=torch.bool)
+    elif pattern == "single":
+        m = torch.zeros(R, C, dtype=torch.bool)
+        m[R - 1, C - 1] = True
+    else:
+        raise ValueError(pattern)
+    return m
+
+
+def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(a).all(), "non-finite values (an output element was not written?)"
+    return ((a.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def run_against_dense(T, I, O, b, pattern, dtype, with_bias, seed=0):
+    """Our forward/backward vs F.linear on the dense masked weight (float64 autograd), fresh inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = make_mask(pattern, (O // b, I // b), gen)
+    meta = BlockSparseMeta.from_mask(mask, b)
+    w = torch.randn(O, I, generator=gen) / I**0.5
+    values = dense_to_values(w, meta).to(dtype).requires_grad_()
+    x = torch.randn(T, I, generator=gen).to(dtype).requires_grad_()
+    bias = torch.randn(O, generator=gen).to(dtype).requires_grad_() if with_bias else None
+    assert uses_kernels(x, meta)
+    y = block_sparse_linear(x, values, meta, bias)
+    dy = torch.randn(T, O, generator=gen).to(dtype)
+    y.backward(dy)
+
+    em = to_element_mask(mask, Block(b, b)).double()
+    w64 = (values_to_dense(values.detach(), meta).double() * em).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_() if with_bias else None
+    y64 = F.linear(x64, w64, b64)
+    y64.backward(dy.double())
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert rel(y, y64) < tol
+    assert rel(x.grad, x64.grad) < tol
+    assert rel(values.grad, dense_to_values(w64.grad, meta)) < tol
+    if with_bias:
+        assert rel(bias.grad, b64.grad) < tol
+
+
+@pytest.fixture
+def poison():
+    bs.POISON_OUTPUTS = True
+    yield
+    bs.POISON_OUTPUTS = False
+
+
+@pytest.fixture
+def no_tuning():
+    """GPU tests use each block size's first tile candidate (the benchmark's --check-all-configs checks
+    every candidate); tuning them all here would compile every variant."""
+    bs.TUNE = False
+    yield
+    bs.TUNE = True
+
+
+# ---- metadata ---------------------------------------------------------------------------------
+def test_meta_matches_mask():
+    mask = make_mask("empty_rows_cols", (6, 5), torch.Generator().manual_seed(1))
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    pos = [(r, c) for r in range(6) for c in range(5) if mask[r, c]]  # row-major = slot order
+    assert meta.n_blocks == len(pos) and (meta.out_features, meta.in_features) == (96, 80)
+    assert [(int(r), int(c)) for r, c in zip(meta.row_idx, meta.col_idx)] == pos
+    assert meta.row_ptr.tolist() == [0] + torch.cumsum(mask.sum(1), 0).tolist()
+    # transpose metadata: per block column, rows ascending, each entry naming the slot of (row, col)
+    for c in range(5):
+        entries = range(int(meta.col_ptr[c]), int(meta.col_ptr[c + 1]))
+        rows = [int(meta.t_row_idx[e]) for e in entries]
+        assert rows == [r for r in range(6) if mask[r, c]]
+        for e, r in zip(entries, rows):
+            assert pos[int(meta.t_slot[e])] == (r, c)
+    assert all(t.dtype == torch.int32 for t in (meta.row_ptr, meta.col_idx, meta.col_ptr, meta.t_slot))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_dw_groups_cover_every_slot_once(group):
+    mask = make_mask("empty_rows_cols", (7, 9), torch.Generator().manual_seed(2))
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    grow, gstart, gcount, gfirst, n = meta.dw_groups(group)
+    assert grow.numel() == n
+    covered = []
+    for r, s, k in zip(grow.tolist(), gstart.tolist(), gcount.tolist()):
+        assert 0 <= k <= group
+        covered += list(range(s, s + k))
+        assert all(int(meta.row_idx[i]) == r for i in range(s, s + k))
+    assert sorted(covered) == list(range(meta.n_blocks))
+    assert sorted(grow[gfirst.bool()].tolist()) == list(range(7))  # one first group per row, empty rows too
+
+
+@pytest.mark.parametrize("forward", [True, False])
+@pytest.mark.parametrize("group_k", [1, 4])
+def test_padded_entries(forward, group_k):
+    mask = make_mask("empty_rows_cols", (7, 9), torch.Generator().manual_seed(9))
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    ptr, kidx, slot, out = meta.padded_entries(forward, group_k)
+    grid = mask if forward else mask.t()
+    for j in range(grid.shape[0]):
+        lo, hi = int(ptr[j]), int(ptr[j + 1])
+        assert hi - lo >= group_k and (hi - lo) % group_k == 0 and bool((out[lo:hi] == j).all())
+        real = [(int(k), int(s)) for k, s in zip(kidx[lo:hi], slot[lo:hi]) if s >= 0]
+        assert [k for k, _ in real] == grid[j].nonzero().flatten().tolist()
+        for k, s in real:  # the slot holds block (j, k) of W (forward) or (k, j) (transpose)
+            r, c = (j, k) if forward else (k, j)
+            assert (int(meta.row_idx[s]), int(meta.col_idx[s])) == (r, c)
+
+
+def test_meta_rejects_bad_mask():
+    with pytest.raises(TypeError, match="mask"):
+        BlockSparseMeta.from_mask(torch.ones(2, 2), 16)
+    with pytest.raises(ValueError, match="mask"):
+        BlockSparseMeta.from_mask(torch.ones(2, dtype=torch.bool), 16)
+
+
+# ---- kernels (interpreter on CPU) -------------------------------------------------------------
+@pytest.mark.parametrize("T,I,O,b,pattern,dtype,with_bias", [
+    (37, 64, 96, 16, "random", torch.float32, True),
+    (37, 64, 96, 16, "empty_rows_cols", torch.float16, True),
+    (37, 64, 96, 32, "random", torch.float16, False),
+    (37, 64, 96, 32, "dense", torch.float32, True),
+    (37, 64, 96, 16, "single", torch.float32, False),
+    (5, 64, 96, 16, "random", torch.float16, True),
+    (37, 128, 128, 64, "empty_rows_cols", torch.float32, True),
+])
+def test_kernels_match_dense_masked(T, I, O, b, pattern, dtype, with_bias, poison):
+    run_against_dense(T, I, O, b, pattern, dtype, with_bias)
+
+
+@pytest.mark.parametrize("b,dds,dw", [
+    (16, DdsConfig(16, 1, 1, 4, 1), DwConfig(1, 16, 4, 1)),  # scalar paths at b16, one output block each
+    (32, DdsConfig(32, 2, 3, 4, 1, ".ca"), DwConfig(4, 32, 4, 1)),  # gathered paths at b32, padded groups
+    (16, DdsConfig(16, 4, 100, 4, 1), DwConfig(8, 16, 4, 1)),  # a program walks every output block
+])
+def test_other_tile_paths(b, dds, dw, poison):
+    with forced_config(fwd=dds, dx=dds, dw=dw):
+        run_against_dense(37, 64, 96, b, "empty_rows_cols", torch.float32, True, seed=3)
+
+
+@pytest.mark.parametrize("b", [16, 32])
+def test_float32_master_values_with_fp16_input(b, poison):
+    """Mixed precision: fp16 activations, fp32 values/bias read by the kernels; fp32 gradients back."""
+    gen = torch.Generator().manual_seed(11)
+    meta = BlockSparseMeta.from_mask(make_mask("empty_rows_cols", (96 // b, 64 // b), gen), b)
+    values = (torch.randn(meta.n_blocks, b, b, generator=gen) / 8).requires_grad_()
+    bias = torch.randn(96, generator=gen, requires_grad=True)
+    x = torch.randn(37, 64, generator=gen).half().requires_grad_()
+    y = block_sparse_linear(x, values, meta, bias)
+    assert y.dtype == torch.float16
+    dy = torch.randn(37, 96, generator=gen).half()
+    y.backward(dy)
+    assert values.grad.dtype == bias.grad.dtype == torch.float32 and x.grad.dtype == torch.float16
+    # reference on the fp16-rounded values the kernel multiplies with
+    v64 = values.detach().half().double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    b64 = bias.detach().double().requires_grad_()
+    y64 = reference_linear(x64, v64, meta, b64)
+    y64.backward(dy.double())
+    assert rel(y, y64) < 3e-3 and rel(x.grad, x64.grad) < 3e-3
+    assert rel(values.grad, v64.grad) < 3e-3 and rel(bias.grad, b64.grad) < 3e-3
+
+
+def test_kernels_vs_reference_3d_input_and_empty_batch():
+    meta = BlockSparseMeta.from_mask(make_mask("random", (6, 4), torch.Generator().manual_seed(4)), 16)
+    values = torch.randn(meta.n_blocks, 16, 16)
+    x = torch.randn(2, 7, 64)
+    torch.testing.assert_close(block_sparse_linear(x, values, meta), reference_linear(x, values, meta),
+                               rtol=1e-5, atol=1e-5)
+    assert block_sparse_linear(torch.randn(0, 64), values, meta).shape == (0, 96)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_dense_grad_hook(kernels, monkeypatch):
+    if not kernels:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # CPU without the interpreter: reference path
+    meta = BlockSparseMeta.from_mask(make_mask("random", (6, 4), torch.Generator().manual_seed(5)), 16)
+    values = torch.randn(meta.n_blocks, 16, 16, requires_grad=True)
+    x = torch.randn(21, 64)
+    assert uses_kernels(x, meta) == kernels
+    got = []
+    y = block_sparse_linear(x, values, meta, dense_grad_hook=got.append)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    dense = dy.t() @ x
+    assert len(got) == 1 and got[0].dtype == torch.float32 and got[0].shape == (96, 64)
+    torch.testing.assert_close(got[0], dense, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(values.grad, dense_to_values(dense, meta), rtol=1e-5, atol=1e-4)
+
+
+# ---- reference path ---------------------------------------------------------------------------
+def test_reference_grads_match_autograd(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    meta = BlockSparseMeta.from_mask(make_mask("empty_rows_cols", (5, 6), torch.Generator().manual_seed(6)), 8)
+    values = torch.randn(meta.n_blocks, 8, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(11, 48, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(40, dtype=torch.float64, requires_grad=True)
+    y = block_sparse_linear(x, values, meta, bias)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    dx, dv, db = reference_grads(x.detach(), dy, values.detach(), meta)
+    torch.testing.assert_close(x.grad, dx)
+    torch.testing.assert_close(values.grad, dv)
+    torch.testing.assert_close(bias.grad, db)
+    assert bool((values_to_dense(values.detach(), meta)[:8] == 0).all())  # block row 0 is empty
+
+
+@pytest.mark.parametrize("block", [Block(1, 1), Block(4, 4), Block(4, 8), Block(8, 8)])
+def test_small_and_rectangular_blocks_use_reference(block):
+    gen = torch.Generator().manual_seed(7)
+    mask = torch.rand(32 // block.rows, 48 // block.cols, generator=gen) < 0.4
+    meta = BlockSparseMeta.from_mask(mask, block)
+    w = torch.randn(32, 48, generator=gen)
+    values = dense_to_values(w, meta)
+    x = torch.randn(9, 48, generator=gen)
+    assert not uses_kernels(x, meta)
+    w_masked = w * to_element_mask(mask, block)
+    torch.testing.assert_close(block_sparse_linear(x, values, meta), x @ w_masked.t())
+
+
+def test_autocast_casts_inputs_and_keeps_fp32_grads(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # bf16 is wrong under the interpreter: reference path
+    meta = BlockSparseMeta.from_mask(make_mask("random", (6, 4), torch.Generator().manual_seed(8)), 16)
+    values = torch.randn(meta.n_blocks, 16, 16, requires_grad=True)
+    x = torch.randn(13, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block_sparse_linear(x, values, meta)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert values.grad.dtype == torch.float32
+
+
+def test_bad_inputs_raise_before_work():
+    meta = BlockSparseMeta.from_mask(torch.ones(6, 4, dtype=torch.bool), 16)
+    v = torch.randn(24, 16, 16)
+    with pytest.raises(ValueError, match="x has shape"):
+        block_sparse_linear(torch.randn(3, 63), v, meta)
+    with pytest.raises(ValueError, match="values has shape"):
+        block_sparse_linear(torch.randn(3, 64), v[:5], meta)
+    with pytest.raises(ValueError, match="bias has shape"):
+        block_sparse_linear(torch.randn(3, 64), v, meta, torch.randn(95))
+    with pytest.raises(TypeError, match="dtypes differ"):
+        block_sparse_linear(torch.randn(3, 64), v.half(), meta)  # 16-bit values with a float32 x
+    with pytest.raises(TypeError, match="x must be"):
+        block_sparse_linear(torch.ones(3, 64, dtype=torch.int64), v, meta)
+    with pytest.raises(TypeError, match="meta"):
+        block_sparse_linear(torch.randn(3, 64), v, "meta")
+
+
+# ---- GPU: bf16 / fp16 at real shapes ------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b", [16, 32, 64, 128])
+@pytest.mark.parametrize("I,O", [(1024, 4096), (4096, 1024)])
+def test_gpu_real_shapes(dtype, b, I, O, poison, no_tuning):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    T = 4096 + 37
+    gen = torch.Generator().manual_seed(b + I)
+    mask = torch.rand(O // b, I // b, generator=gen) < 0.1
+    mask[0, 0] = True
+    meta = BlockSparseMeta.from_mask(mask, b).to("cuda")
+    x = torch.randn(T, I, device="cuda", dtype=dtype, requires_grad=True)
+    values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=dtype) / b**0.5).requires_grad_()
+    bias = torch.randn(O, device="cuda", dtype=dtype, requires_grad=True)
+    y = block_sparse_linear(x, values, meta, bias)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x32, v32 = x.detach().float(), values.detach().float()
+    y_ref = x32 @ values_to_dense(v32, meta).t() + bias.detach().float()
+    dx, dv, db = reference_grads(x32, dy.float(), v32, meta)
+    for got, ref in ((y, y_ref), (x.grad, dx), (values.grad, dv), (bias.grad, db)):
+        assert rel(got, ref) < 1e-2
