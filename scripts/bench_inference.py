@@ -1,0 +1,264 @@
+"""Benchmark of the compressed skinny SpMM (GPU): ours vs dense cuBLAS (F.linear) vs cuSPARSE CSR.
+
+Every configuration is first checked against the plain-torch reference on fresh random inputs (relative
+error), then timed with ``triton.testing.do_bench(..., return_mode="median")``. Weights are rotated among
+enough copies to exceed twice the L2 cache, as in a real decode step where each layer's weight is read once.
+
+    PYTHONUNBUFFERED=1 python scripts/bench_inference.py --out $OUT            # full table (Flash-LLM shapes)
+    PYTHONUNBUFFERED=1 python scripts/bench_inference.py --sweep --out $OUT    # launch-configuration sweep
+
+Writes ``bench_inference.json`` (or ``bench_sweep.json``) under --out and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from sparsetrain.kernels import spmm_infer as si  # noqa: E402
+
+SHAPES = [(28672, 7168), (7168, 28672), (9216, 36864), (36864, 9216), (4096, 14336), (14336, 4096)]
+SPARSITIES = [0.5, 0.7, 0.8, 0.9]
+TOKENS = [8, 16, 32, 64]
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run under TRITON_INTERPRET=1 only
+
+
+def bench(fn) -> float:
+    """Median milliseconds (do_bench with CUDA events; a plain timer in the CPU smoke run)."""
+    if DEV == "cpu":
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def random_sparse(m: int, k: int, sparsity: float, dtype=torch.float16) -> torch.Tensor:
+    """Unstructured: N(0, 1) weights with a uniformly random fraction `sparsity` set to zero (the positions
+    magnitude pruning of such a matrix would pick are uniformly random too)."""
+    w = torch.randn(m, k, device=DEV, dtype=dtype)
+    w.masked_fill_(torch.rand(m, k, device=DEV) < sparsity, 0)
+    return w
+
+
+def n_copies(nbytes: int) -> int:
+    if DEV == "cpu":
+        return 2
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
+    return max(1, min(6, math.ceil(2 * l2 / max(nbytes, 1)) + 1))
+
+
+class Rotating:
+    """Calls fn(item) on the next of several copies, so repeated timing runs do not hit in L2."""
+
+    def __init__(self, items, fn):
+        self.items, self.fn, self.i = items, fn, 0
+
+    def __call__(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.fn(self.items[self.i])
+
+
+def clone_weight(cw: si.SparseInferenceWeight) -> si.SparseInferenceWeight:
+    return si.SparseInferenceWeight.from_tensors({k: v.clone() for k, v in cw.tensors().items()}, cw.shape)
+
+
+def rel_err(y, ref) -> float:
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2**29 if DEV == "cuda" else 2**20, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a))
+    return 2 * a.numel() / ms / 1e9  # TB/s, bytes read + written
+
+
+def check(cw, dtype, n, bias=True) -> float:
+    m, k = cw.shape
+    x = torch.randn(n, k, device=DEV, dtype=dtype)
+    b = torch.randn(m, device=DEV, dtype=dtype) if bias else None
+    y = si.spmm_infer(x, cw, b)
+    return rel_err(y, si.spmm_reference(x, cw, b))
+
+
+def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
+    """All timings for one (shape, sparsity): dense, CSR and ours at each N."""
+    w = random_sparse(m, k, s, dtype)
+    t0 = time.perf_counter()
+    cw = si.compress(w)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    compress_s = time.perf_counter() - t0
+    exact = bool(torch.equal(cw.to_dense(), w))
+    dense_copies = [w] + [w.clone() for _ in range(n_copies(w.numel() * 2) - 1)]
+    ours_copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
+    csr = w.to_sparse_csr() if with_csr and DEV == "cuda" else None
+    rows = []
+    for n in tokens:
+        x = torch.randn(n, k, device=DEV, dtype=dtype)
+        err = rel_err(si.spmm_triton(x, cw, config=config), si.spmm_reference(x, cw))
+        t_dense = bench(Rotating(dense_copies, lambda wt, x=x: F.linear(x, wt)))
+        t_ours = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_triton(x, c, config=config)))
+        t_csr = None
+        if csr is not None:
+            xt = x.t().contiguous()
+            t_csr = bench(lambda csr=csr, xt=xt: torch.sparse.mm(csr, xt))
+        rows.append({"M": m, "K": k, "sparsity": s, "N": n, "dense_ms": t_dense, "ours_ms": t_ours,
+                     "csr_ms": t_csr, "speedup": t_dense / t_ours,
+                     "csr_speedup": (t_dense / t_csr) if t_csr else None, "rel_err": err,
+                     "ours_TBps": cw.nbytes() / t_ours / 1e9, "dense_TBps": w.numel() * 2 / t_dense / 1e9,
+                     "bytes_per_elem": cw.nbytes() / (m * k), "ideal_bytes_per_elem": 0.125 + 2 * (1 - s),
+                     "compress_s": compress_s, "to_dense_exact": exact})
+    t_decode = bench(Rotating(ours_copies, lambda c: c.to_dense()))
+    for r in rows:
+        r["decode_to_dense_ms"] = t_decode
+    del dense_copies, ours_copies, csr
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def env() -> dict:
+    import triton
+    cuda = DEV == "cuda"
+    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter smoke run)",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else 0,
+            "config": dict(si.CONFIG), "break_even_sparsity": si.BREAK_EVEN_SPARSITY}
+
+
+def correctness() -> list[dict]:
+    out = []
+    dtypes = (torch.float16, torch.bfloat16) if DEV == "cuda" else (torch.float16,)
+    shapes = [(4096, 4160), (1000, 3000)] if DEV == "cuda" else [(100, 300)]
+    for dtype in dtypes:
+        for (m, k) in shapes:
+            for s in (0.5, 0.9):
+                cw = si.compress(random_sparse(m, k, s, dtype))
+                for n in (1, 13, 64):
+                    out.append({"dtype": str(dtype), "M": m, "K": k, "sparsity": s, "N": n,
+                                "rel_err": check(cw, dtype, n)})
+    return out
+
+
+def sweep(args) -> dict:
+    """Launch configurations (block_m, num_warps, num_stages, waves) at N = 16, 80% sparsity; then the
+    default configuration across sparsities, to see whether time follows bytes or decoded elements."""
+    results = []
+    configs = [{"num_warps": w, "num_stages": st, "waves": wv}
+               for w in (4, 8) for st in (1, 2) for wv in (1, 2, 4)]
+    shapes = [(28672, 7168), (4096, 14336)] if DEV == "cuda" else [(128, 256)]
+    for (m, k) in shapes:
+        for s in (0.8,):
+            w = random_sparse(m, k, s)
+            x = torch.randn(16, k, device=DEV, dtype=torch.float16)
+            dense = bench(lambda x=x, w=w: F.linear(x, w))
+            for bm in (64, 128):
+                cw = si.compress(w, block_m=bm)
+                copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
+                for cfg in configs:
+                    try:
+                        err = rel_err(si.spmm_triton(x, cw, config=cfg), si.spmm_reference(x, cw))
+                        t = bench(Rotating(copies, lambda c, x=x, cfg=cfg: si.spmm_triton(x, c, config=cfg)))
+                    except Exception as e:  # e.g. out of shared memory / registers for a tile shape
+                        print(f"  {m}x{k} bm{bm} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    results.append({"M": m, "K": k, "sparsity": s, "N": 16, "block_m": bm, **cfg,
+                                    "dense_ms": dense, "ours_ms": t, "speedup": dense / t, "rel_err": err})
+                    print(f"  {m}x{k} s={s} bm{bm} {cfg}: {t * 1e3:.1f} us, {dense / t:.2f}x, err {err:.1e}")
+                del copies
+    for (m, k) in shapes[:1]:
+        for s in (0.5, 0.9, 0.97):
+            w = random_sparse(m, k, s)
+            x = torch.randn(16, k, device=DEV, dtype=torch.float16)
+            dense = bench(lambda x=x, w=w: F.linear(x, w))
+            for bm in (64, 128):
+                cw = si.compress(w, block_m=bm)
+                copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
+                t = bench(Rotating(copies, lambda c, x=x: si.spmm_triton(x, c)))
+                results.append({"M": m, "K": k, "sparsity": s, "N": 16, "block_m": bm, **si.CONFIG,
+                                "dense_ms": dense, "ours_ms": t, "speedup": dense / t,
+                                "ours_TBps": cw.nbytes() / t / 1e9})
+                print(f"  {m}x{k} s={s} bm{bm} default: {t * 1e3:.1f} us, {dense / t:.2f}x, "
+                      f"{cw.nbytes() / t / 1e9:.2f} TB/s")
+                del copies
+    return {"sweep": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--sweep", action="store_true", help="launch-configuration sweep instead of the table")
+    ap.add_argument("--no-csr", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="only launch the kernel 5 times (28672x7168, 80%%, N=16), e.g. under ncu")
+    ap.add_argument("--shapes", default="all", help="'all' or e.g. 28672x7168,4096x14336")
+    ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)))
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    if args.profile:
+        m, k = (28672, 7168) if DEV == "cuda" else (256, 128)
+        cw = si.compress(random_sparse(m, k, 0.8))
+        x = torch.randn(16, k, device=DEV, dtype=torch.float16)
+        for _ in range(5):
+            si.spmm_triton(x, cw)
+        return
+    info = env()
+    info["copy_TBps"] = copy_bandwidth()
+    print(json.dumps(info))
+    info["correctness"] = correctness()
+    worst = max(r["rel_err"] for r in info["correctness"])
+    print(f"correctness vs reference (fp16/bf16, N=1/13/64): worst rel err {worst:.2e}")
+    if args.sweep:
+        info.update(sweep(args))
+        name = "bench_sweep.json"
+    else:
+        shapes = (SHAPES if args.shapes == "all"
+                  else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")])
+        rows = info["rows"] = []
+        name = "bench_inference.json"
+        for (m, k) in shapes:
+            for s in map(float, args.sparsities.split(",")):
+                rows += run_point(m, k, s, list(map(int, args.tokens.split(","))), with_csr=not args.no_csr)
+                r = [x for x in rows if x["M"] == m and x["K"] == k and x["sparsity"] == s]
+                print(f"{m}x{k} s={s}: " + " ".join(f"N{x['N']}:{x['speedup']:.2f}x" for x in r), flush=True)
+                save(args.out, name, info)  # after every point: a run cut short keeps what it measured
+    save(args.out, name, info)
+    if not args.sweep:
+        print_table(info["rows"])
+
+
+def save(out: str, name: str, info: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+def print_table(rows) -> None:
+    print("\n| M x K | s | N | dense ms | CSR ms | ours ms | ours/dense speedup | CSR speedup | ours TB/s | "
+          "B/elem (ideal) | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        csr = f"{r['csr_ms']:.3f}" if r["csr_ms"] else "-"
+        csr_x = f"{r['csr_speedup']:.2f}x" if r["csr_speedup"] else "-"
+        print(f"| {r['M']}x{r['K']} | {r['sparsity']:.0%} | {r['N']} | {r['dense_ms']:.4f} | {csr} | "
+              f"{r['ours_ms']:.4f} | {r['speedup']:.2f}x | {csr_x} | {r['ours_TBps']:.2f} | "
+              f"{r['bytes_per_elem']:.3f} ({r['ideal_bytes_per_elem']:.3f}) | {r['rel_err']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
