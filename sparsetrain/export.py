@@ -32,7 +32,8 @@ def load_trained_model(run_dir: str | Path, checkpoint: str | Path | None = None
         raise FileNotFoundError(f"no finished checkpoint under {run_dir / 'checkpoints'}")
     model = model_builder(cfg)()
     state = torch.load(ckpt / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    block = Block.parse(OmegaConf.to_container(cfg.sparsity.block))
+    blk = cfg.sparsity.block
+    block = Block.parse(OmegaConf.to_container(blk) if OmegaConf.is_config(blk) else blk)
     clean = {}
     for key, value in state.items():
         if key.endswith(".mask"):

@@ -130,3 +130,27 @@ def test_recipes_and_flops_commands():
     assert "quickstart" in r.stdout and "bert_phase1_dynamic" in r.stdout
     f = cli("flops", "recipe=quickstart")
     assert "sparse / dense" in f.stdout and "bert.encoder.layer.0.intermediate.dense" in f.stdout
+
+
+@pytest.mark.slow
+def test_export_hf_and_sparse_round_trip(quickstart_run, tmp_path):
+    from transformers import BertForMaskedLM
+
+    from sparsetrain.export import load_trained_model
+    from sparsetrain.inference import load_sparse
+
+    d, _ = quickstart_run
+    cli("export", str(d), "--format", "hf", "--out", str(tmp_path / "hf"))
+    cli("export", str(d), "--format", "sparse", "--out", str(tmp_path / "sparse"))
+    trained = load_trained_model(d)
+    x = torch.randint(5, 1000, (2, 32))
+    with torch.no_grad():
+        ref = trained(input_ids=x).logits
+        hf = BertForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+        torch.testing.assert_close(hf(input_ids=x).logits, ref)
+        w = hf.bert.encoder.layer[0].intermediate.dense.weight
+        assert (w == 0).float().mean().item() == pytest.approx(0.9, abs=0.002)     # the trained 90% sparsity
+        sparse = load_sparse(lambda: BertForMaskedLM(hf.config), str(tmp_path / "sparse")).eval()
+        torch.testing.assert_close(sparse(input_ids=x).logits, ref, rtol=1e-3, atol=1e-3)
+    r = cli("export", str(tmp_path), check=False)
+    assert r.returncode == 2 and "not a sparsetrain run directory" in r.stderr
