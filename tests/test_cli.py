@@ -80,13 +80,26 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
 def test_two_process_run_has_identical_masks(tmp_path):
     d = tmp_path / "ddp"
     e = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "sparsetrain.cli", "train",
+    import socket
+
+    with socket.socket() as sock:  # a free port: a fixed one would collide with another run on the machine
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), "-m", "sparsetrain.cli", "train",
            "trainer.device=cpu",
            "recipe=quickstart", "trainer.max_steps=12", "trainer.eval_every=6", "logger=quiet",
            "sparsity.scheduler.num_updates=3", "sparsity.scheduler.policy._target_=sparsetrain.sparsity.RigL",
            *TINY, f"hydra.run.dir={d}"]
-    r = subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # never leave workers behind
+        _, err = proc.communicate()
+        raise AssertionError(f"two-process run did not finish in 300 s:\n{err[-3000:]}") from None
+    assert proc.returncode == 0, err[-3000:]
     summary = json.loads((d / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["ranks_masks_identical"] is True
     assert [u["pruned"] > 0 for u in rows(d, "event")] == [True] * 3

@@ -342,6 +342,7 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         print(tlog.format_summary(summary), flush=True)
     if args.wandb:
         tlog.end_tracking(accelerator)
+    accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
     accelerator.end_training()
     return summary
 
