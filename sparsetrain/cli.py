@@ -85,9 +85,7 @@ def cmd_flops(argv: Sequence[str]) -> int:
     from omegaconf import OmegaConf
 
     from sparsetrain import flops
-    from sparsetrain.config import ConfigError, build_run, compose
-    from sparsetrain.nn.sparsify import select_linears, sparsify
-    from sparsetrain.sparsity.distributions import layer_densities
+    from sparsetrain.config import ConfigError, build_run, compose, sparsify_model
 
     bad = _check_recipe(argv)
     if bad is not None:
@@ -96,15 +94,11 @@ def cmd_flops(argv: Sequence[str]) -> int:
         cfg = compose(list(argv))
         spec = build_run(cfg)
         model = spec.build_model()
-        if spec.scheduler.sparse:
-            kw = dict(spec.sparsify_kwargs)
-            chosen = select_linears(model, kw["targets"], kw["exclude"])
-            dens = layer_densities({n: tuple(m.weight.shape) for n, m in chosen.items()}, kw.pop("density"),
-                                   kw.pop("distribution"), kw.pop("density_overrides"))
-            if spec.scheduler.name == "sparse_then_dense":
-                dens = {n: 0.5 for n in dens}
-            kw["format"] = "masked"
-            sparsify(model, density=dens, **kw)
+        layers = sparsify_model(model, spec.scheduler, spec.sparsify_kwargs, format="masked")
+        if spec.scheduler.name == "sparse_then_dense":  # count the 2:4 phase (straight-through layers)
+            for layer in layers.values():
+                layer.set_format("masked_st")
+                layer.set_mask(spec.scheduler.nm.mask(layer.weight_parameter().detach()))
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -115,8 +109,9 @@ def cmd_flops(argv: Sequence[str]) -> int:
     report = flops.count_step_flops(model, batch_size=global_batch, seq_len=seq, image_size=img)
     print(f"recipe: {cfg.recipe_info.name}   method: {spec.method}   steps: {t.max_steps}")
     print(report.format_table())
+    frac = getattr(spec.scheduler, "sparse_fraction", 1.0)  # sparse-then-dense: dense after the 2:4 phase
     total_dense = report.dense_total * t.max_steps
-    total_sparse = report.sparse_total * t.max_steps
+    total_sparse = (report.sparse_total * frac + report.dense_total * (1 - frac)) * t.max_steps
     print(f"\ntraining total ({t.max_steps} steps): dense {total_dense:.3e}  sparse {total_sparse:.3e}  "
           f"(x{total_sparse / total_dense:.3f}; RigL adds {report.rigl_update_extra:.3e} per update step)")
     return 0

@@ -325,6 +325,26 @@ def build_run(cfg: DictConfig) -> RunSpec:
                    args, method, OmegaConf.to_container(cfg, resolve=True))
 
 
+def sparsify_model(model, scheduler, sparsify_kwargs: dict, format: str | None = None) -> dict:
+    """Sparsify ``model`` as the run's scheduler wants it: per-layer target densities from the distribution,
+    each layer started at ``scheduler.initial_density(target)`` (dense for gradual pruning and 2:4)."""
+    from sparsetrain.nn.sparsify import select_linears, sparsify
+    from sparsetrain.sparsity.distributions import layer_densities
+    from sparsetrain.sparsity.schedulers import GradualMagnitude
+
+    if not scheduler.sparse:
+        return {}
+    kw = dict(sparsify_kwargs)
+    chosen = select_linears(model, kw["targets"], kw["exclude"])
+    targets = layer_densities({n: tuple(m.weight.shape) for n, m in chosen.items()}, kw.pop("density"),
+                              kw.pop("distribution"), kw.pop("density_overrides"))
+    if isinstance(scheduler, GradualMagnitude):
+        scheduler.set_targets(targets)
+    if format is not None:
+        kw["format"] = format
+    return sparsify(model, density={n: scheduler.initial_density(d) for n, d in targets.items()}, **kw)
+
+
 def run_dir_from_hydra() -> Path:
     from hydra.core.hydra_config import HydraConfig
 

@@ -51,6 +51,12 @@ class UpdateSchedule:
         return n if self.max_updates is None else min(n, self.max_updates)
 
 
+def _progress(step: int, start: int, end: int) -> float:
+    """Fraction of the way from ``start`` to ``end``, clipped to [0, 1]."""
+    span = max(1, end - start)
+    return min(max(step - start, 0), span) / span
+
+
 @dataclass(frozen=True)
 class Constant:
     """Drop fraction that never changes."""
@@ -71,8 +77,7 @@ class CosineDecay:
     start_step: int = 0
 
     def __call__(self, step: int) -> float:
-        span = max(1, self.end_step - self.start_step)
-        t = min(max(step - self.start_step, 0), span) / span
+        t = _progress(step, self.start_step, self.end_step)
         return self.final + 0.5 * (self.init - self.final) * (1 + math.cos(math.pi * t))
 
 
@@ -86,9 +91,7 @@ class LinearDecay:
     start_step: int = 0
 
     def __call__(self, step: int) -> float:
-        span = max(1, self.end_step - self.start_step)
-        t = min(max(step - self.start_step, 0), span) / span
-        return self.init + (self.final - self.init) * t
+        return self.init + (self.final - self.init) * _progress(step, self.start_step, self.end_step)
 
 
 DROP_SCHEDULES = {"constant": Constant, "cosine": CosineDecay, "linear": LinearDecay}

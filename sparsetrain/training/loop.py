@@ -123,9 +123,7 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     from sparsetrain import flops as flop_count
-    from sparsetrain.nn.sparsify import select_linears, sparsify
-    from sparsetrain.sparsity.distributions import layer_densities
-    from sparsetrain.sparsity.schedulers import GradualMagnitude
+    from sparsetrain.config import sparsify_model
     from sparsetrain.training import logging as tlog
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
@@ -146,14 +144,7 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
     # -- 2. model and sparsity (cheap; validates the structure before any data is read) -----------
     set_seed(args.seed)
     model = spec.build_model()
-    if scheduler.sparse:
-        kw = dict(spec.sparsify_kwargs)
-        chosen = select_linears(model, kw["targets"], kw["exclude"])
-        targets = layer_densities({n: tuple(m.weight.shape) for n, m in chosen.items()}, kw.pop("density"),
-                                  kw.pop("distribution"), kw.pop("density_overrides"))
-        if isinstance(scheduler, GradualMagnitude):
-            scheduler.set_targets(targets)
-        sparsify(model, density={n: scheduler.initial_density(d) for n, d in targets.items()}, **kw)
+    sparsify_model(model, scheduler, spec.sparsify_kwargs)
 
     cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=cpu,
