@@ -193,6 +193,12 @@ def validate(cfg: DictConfig) -> None:
     if arch == "bert" and data_kind == "build_image_data" or arch == "vit" and data_kind == "build_mlm_data":
         raise ConfigError("data", f"model.arch={arch!r} cannot train on data built by {data_kind}")
     del model_fn
+    for key in ("files", "folder"):  # user data must exist before anything is built or written
+        if key in cfg.data and not OmegaConf.is_missing(cfg.data, key) and cfg.data[key] is not None:
+            paths = _plain(cfg.data[key])
+            missing = [p for p in (paths if isinstance(paths, list) else [paths]) if not Path(str(p)).exists()]
+            if missing:
+                raise ConfigError(f"data.{key}", f"not found: {missing}")
     # sparsity
     sp = cfg.sparsity
     try:

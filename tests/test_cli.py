@@ -167,3 +167,32 @@ def test_export_hf_and_sparse_round_trip(quickstart_run, tmp_path):
         torch.testing.assert_close(sparse(input_ids=x).logits, ref, rtol=1e-3, atol=1e-3)
     r = cli("export", str(tmp_path), check=False)
     assert r.returncode == 2 and "not a sparsetrain run directory" in r.stderr
+
+
+@pytest.mark.slow
+def test_grad_accumulation_counts_optimizer_steps_and_sparse_run_refuses_dense_checkpoint(tmp_path):
+    acc = tmp_path / "acc"
+    cli("train", "recipe=quickstart", "trainer.max_steps=12", "trainer.grad_accum=3", "trainer.log_every=4",
+        "trainer.eval_every=0", "logger=quiet", "sparsity.scheduler.num_updates=3", *TINY, f"hydra.run.dir={acc}")
+    assert [u["step"] for u in rows(acc, "event")] == [3, 6, 9]         # optimizer steps, not micro-batches
+    assert [x["step"] for x in rows(acc, "loss")] == [4, 8, 12]
+    s = json.loads((acc / "summary.json").read_text())
+    # FLOPs of 12 optimizer steps of 3 micro-batches each
+    assert s["total_train_flops"] == pytest.approx(12 * s["flops_per_step_sparse"], rel=0.05)
+
+    dense = tmp_path / "dense"
+    cli("train", "trainer=cpu_small", "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.eval_every=0",
+        "logger=quiet", *TINY, f"hydra.run.dir={dense}")
+    ckpt = dense / "checkpoints" / "step_00000004"
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()}
+    r = cli("train", "recipe=quickstart", f"trainer.resume={ckpt}", "logger=quiet", *TINY,
+            f"hydra.run.dir={tmp_path / 'sparse'}", check=False)
+    assert r.returncode == 2 and "has no sparsity state" in r.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.iterdir()} == before
+
+
+def test_missing_data_files_named_before_any_work(tmp_path):
+    r = cli("train", "data=text_files", f"data.files=[{tmp_path}/nope.txt]", f"hydra.run.dir={tmp_path}/run",
+            check=False)
+    assert r.returncode == 2 and "data.files" in r.stderr and "nope.txt" in r.stderr
+    assert not (tmp_path / "run" / "config.yaml").exists()
