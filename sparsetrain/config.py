@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -225,7 +226,9 @@ def validate(cfg: DictConfig) -> None:
     resolve_target(sp.scheduler, "sparsity.scheduler", base=SparsityScheduler)
     if "policy" in sp.scheduler:
         resolve_target(sp.scheduler.policy, "sparsity.scheduler.policy", base=Policy)
-    build_scheduler(cfg)  # constructing it validates its values (pure, cheap)
+    with warnings.catch_warnings():  # build_run warns once about ignored keys
+        warnings.simplefilter("ignore")
+        build_scheduler(cfg)  # constructing it validates its values (pure, cheap)
     if cfg.logger.wandb.enabled:
         _choice(cfg, "logger.wandb.mode", ("offline", "online", "disabled"))
 
@@ -249,6 +252,15 @@ def build_scheduler(cfg: DictConfig):
         pnode = kwargs["policy"]
         pcls = resolve_target(pnode, "sparsity.scheduler.policy", base=Policy)
         kwargs["policy"] = _call(pnode, "sparsity.scheduler.policy", pcls)
+    accepted = inspect.signature(cls).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        # Keys a recipe set for another scheduler (e.g. `recipe=quickstart sparsity=static`): Hydra already
+        # rejected misspelt command-line keys, so these can only come from composition.
+        ignored = sorted(k for k in kwargs if k not in accepted)
+        if ignored:
+            warnings.warn(f"sparsity.scheduler: {cls.__name__} does not use {ignored}; ignoring them",
+                          stacklevel=2)
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     return _call(kwargs, "sparsity.scheduler", cls)
 
 

@@ -139,3 +139,12 @@ def test_non_editable_install_finds_configs_and_recipes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sparsetrain.cli", "flops", "recipe=quickstart"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, check=True).stdout
     assert "sparse / dense" in out
+
+
+def test_switching_method_under_a_recipe_ignores_its_other_scheduler_keys():
+    """`sparsetrain train -m recipe=quickstart sparsity=static,dense` must work for method sweeps."""
+    with pytest.warns(UserWarning, match=r"Static does not use \['drop_fraction', 'num_updates'\]"):
+        spec = build_run(compose(["recipe=quickstart", "sparsity=static"]))
+    assert spec.scheduler.name == "static" and spec.sparsify_kwargs["density"] == 0.1
+    with pytest.raises(ConfigError, match="sparsity.scheduler"):
+        build_run(compose(["recipe=quickstart", "sparsity.scheduler.drop_fraction=-1"]))
