@@ -317,7 +317,7 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
     # -- 6. summary -------------------------------------------------------------------------------------
     summary = {
         "status": "finished", "method": spec.method, "recipe": args.recipe, "density": scheduler.density,
-        "block": str(spec.sparsify_kwargs.get("block")), "steps": step,
+        "block": str(spec.sparsify_kwargs.get("block")) if scheduler.sparse else "-", "steps": step,
         "final_eval_loss": last_eval["eval_loss"] if last_eval else None,
         "total_train_flops": train_flops, "wall_s": elapsed,
         "tokens_per_s" if rate_key == "tokens_per_s" else "samples_per_s":
