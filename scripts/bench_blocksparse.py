@@ -6,7 +6,8 @@ parameter + Adam memory and a BERT-base MLM training step. Ratios are measured s
 
 Writes ``$OUT/bench_blocksparse.json`` (or ./ when OUT is unset) and prints a short table last.
 Options: ``--shapes 1024x4096,4096x1024`` (in x out), ``--blocks 16,32,64``, ``--densities 0.5,0.25,0.1``,
-``--tokens 16384``, ``--check-all-configs`` (run every tile candidate through the correctness check).
+``--tokens 16384``, ``--check-all-configs`` (run every tile candidate through the correctness check),
+``--sections host`` (per-call Python/launch cost at a tiny token count).
 """
 from __future__ import annotations
 
@@ -349,6 +350,107 @@ def sec_kernels(args) -> dict:
     return {}
 
 
+def sec_host(args) -> dict:
+    """Host (Python + launch) cost per call at a tiny token count, where the GPU work is a few µs and the
+    wall time of many back-to-back calls is the host time: ``block_sparse_linear`` forward, forward +
+    backward (bf16, and fp32 master values under bf16 autocast through ``SparseLinear``), dense
+    ``nn.Linear`` beside it, a bare Triton dispatch, and a cProfile breakdown of the fwd+bwd."""
+    import cProfile
+    import io
+    import pstats
+
+    from sparsetrain.nn import SparseLinear
+
+    out = {}
+    T, I, O, b, d = 64, 1024, 4096, 64, 0.1
+    mask = make_mask(O, I, b, d, seed=1)
+    meta = BlockSparseMeta.from_mask(mask.to(DEV), b)
+    v = (torch.randn(meta.n_blocks, b, b, device=DEV, dtype=torch.bfloat16) / b**0.5).requires_grad_()
+    bias = torch.randn(O, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(T, O, device=DEV, dtype=torch.bfloat16)
+    dense = torch.nn.Linear(I, O, device=DEV, dtype=torch.bfloat16)
+    lin = SparseLinear.from_dense(torch.nn.Linear(I, O, device=DEV), density=d, block=b, format="block")
+    xa = torch.randn(T, I, device=DEV, requires_grad=True)
+    ga = torch.randn(T, O, device=DEV, dtype=torch.bfloat16)
+
+    def wall_us(fn, n=400) -> float:
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    def fwd():
+        with torch.no_grad():
+            block_sparse_linear(x, v, meta, bias)
+
+    def fwd_bwd():
+        block_sparse_linear(x, v, meta, bias).backward(g)
+
+    def dense_fwd_bwd():
+        dense(x).backward(g)
+
+    def module_autocast():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = lin(xa)
+        y.backward(ga)
+
+    def dense_autocast():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = dense32(xa)
+        y.backward(ga)
+
+    dense32 = torch.nn.Linear(I, O, device=DEV)
+    for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd), ("module_autocast_fwd_bwd", module_autocast),
+                     ("dense_fwd_bwd", dense_fwd_bwd), ("dense_autocast_fwd_bwd", dense_autocast)):
+        out[name + "_us"] = [wall_us(fn) for _ in range(3)]
+        say(f"host {name}: " + " / ".join(f"{u:.1f}" for u in out[name + "_us"]) + " µs per call (3 repeats)")
+    # pieces: one bare Triton dispatch of the forward kernel, the same through a cached _Plan, allocations
+    from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_kernel
+
+    o = torch.empty(T, O, device=DEV, dtype=torch.bfloat16)
+    ptr, kidx, slot, oidx = meta.padded_entries(True, 1)
+
+    def bare_launch():
+        dense_x_blocksparse_kernel[(8,)](x, v, ptr, kidx, slot, oidx, bias, o, T, x.stride(0), 1, o.stride(0),
+                                         O // b, O // b // 4, 4, FORWARD=True, HAS_BIAS=True, BLOCK=b, GROUP_K=1,
+                                         BLOCK_T=64, CACHE_A="", num_warps=4, num_stages=3)
+
+    def empty_op():
+        torch.empty(T, O, device=DEV, dtype=torch.bfloat16)
+
+    def zeros_op():
+        torch.zeros(T, O, device=DEV, dtype=torch.bfloat16)
+
+    plan = bs._Plan(dense_x_blocksparse_kernel, (8,), [None, None, ptr, kidx, slot, oidx, None, None, T,
+                    x.stride(0), 1, o.stride(0), O // b, O // b // 4, 4], (0, 1, 6, 7),
+                    dict(FORWARD=True, HAS_BIAS=True, BLOCK=b, GROUP_K=1, BLOCK_T=64, CACHE_A="", num_warps=4,
+                         num_stages=3))
+
+    def plan_launch():
+        plan(x, v, bias, o)
+
+    for name, fn in (("bare_triton_dispatch", bare_launch), ("plan_launch", plan_launch),
+                     ("torch_empty", empty_op), ("torch_zeros", zeros_op)):
+        out[name + "_us"] = [wall_us(fn, 1000) for _ in range(3)]
+        say(f"host {name}: " + " / ".join(f"{u:.1f}" for u in out[name + "_us"]) + " µs per call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        fwd_bwd()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(18)
+    out["cprofile_fwd_bwd_300"] = buf.getvalue()
+    print(buf.getvalue()[-6000:])
+    return out
+
+
 def save() -> None:
     """Write everything measured so far (called after each section and each linear shape, so a run cut
     short by its time limit still leaves its numbers)."""
@@ -358,7 +460,7 @@ def save() -> None:
 
 
 SECTIONS = {"env": sec_env, "check": sec_check, "linear": sec_linear, "memory": sec_memory, "bert": sec_bert,
-            "kernels": sec_kernels}
+            "kernels": sec_kernels, "host": sec_host}
 
 
 def main() -> None:

@@ -286,6 +286,49 @@ def test_bad_inputs_raise_before_work():
         block_sparse_linear(torch.randn(3, 64), v, "meta")
 
 
+# ---- cached launch plans (host fast path) --------------------------------------------------------
+def _check_call(x, values, meta, bias, tol):
+    """One forward+backward on fresh leaves vs float64 references; returns nothing, asserts."""
+    x = x.detach().requires_grad_()
+    values = values.detach().requires_grad_()
+    bias = bias.detach().requires_grad_()
+    y = block_sparse_linear(x, values, meta, bias)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    x64, v64, dy64 = x.detach().double(), values.detach().double(), dy.double()
+    y_ref = x64 @ values_to_dense(v64, meta).t() + bias.detach().double()
+    dx, dv, db = reference_grads(x64, dy64, v64, meta)
+    for got, ref in ((y, y_ref), (x.grad, dx), (values.grad, dv), (bias.grad, db)):
+        assert rel(got, ref) < tol
+
+
+@pytest.mark.parametrize("b", [16, 32])
+def test_repeated_calls_reuse_plans(b, poison):
+    """Training calls one layer many times: from the second call on, the launch plans cached on the
+    metadata run the kernels. Fresh inputs every call, token counts that change and come back."""
+    gen = torch.Generator().manual_seed(b)
+    I, O = 4 * b, 3 * b
+    meta = BlockSparseMeta.from_mask(make_mask("empty_rows_cols", (O // b, I // b), gen), b)
+    for T in (40, 40, 17, 40):
+        _check_call(torch.randn(T, I), torch.randn(meta.n_blocks, b, b) / b, meta, torch.randn(O), 1e-5)
+    plans = meta._groups["plans"]
+    assert {k[0] for k in plans} == {"plan_dds", "plan_dw"} and len(plans) == 2 * 2 + 2  # fwd/dx x 2 T, dw x 2
+
+
+def test_forced_config_is_not_shadowed_by_a_cached_plan():
+    """A plan cached under the default choice must not be used while another tile config is forced."""
+    gen = torch.Generator().manual_seed(3)
+    meta = BlockSparseMeta.from_mask(make_mask("random", (4, 4), gen), 16)
+    x, v, bias = torch.randn(40, 64), torch.randn(meta.n_blocks, 16, 16) / 16, torch.randn(64)
+    _check_call(x, v, meta, bias, 1e-5)
+    other = DdsConfig(16, 1, 1, 4, 1)
+    with forced_config(fwd=other, dx=other, dw=DwConfig(2, 16, 4, 1)):
+        _check_call(x, v, meta, bias, 1e-5)
+    forced = [p for k, p in meta._groups["plans"].items() if k[2]]
+    assert forced and all(p.options.get("GROUP_K", 1) == 1 for p in forced)
+    assert any(p.options.get("GROUP") == 2 for p in forced)
+
+
 # ---- GPU: bf16 / fp16 at real shapes ------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -309,3 +352,30 @@ def test_gpu_real_shapes(dtype, b, I, O, poison, no_tuning):
     dx, dv, db = reference_grads(x32, dy.float(), v32, meta)
     for got, ref in ((y, y_ref), (x.grad, dx), (values.grad, dv), (bias.grad, db)):
         assert rel(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b", [16, 64])
+def test_gpu_cached_plans_repeated_calls(dtype, b, poison, no_tuning):
+    """Launches from cached plans stay right across calls: fresh inputs each call, the token count
+    changing and coming back, and a 2-byte-misaligned input (Triton specializes on pointer alignment)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O = 1024, 4096
+    gen = torch.Generator().manual_seed(b)
+    mask = torch.rand(O // b, I // b, generator=gen) < 0.1
+    meta = BlockSparseMeta.from_mask(mask, b).to("cuda")
+    for T, misaligned in ((4133, False), (4133, False), (300, False), (4133, True), (4133, False)):
+        buf = torch.randn(T * I + 1, device="cuda", dtype=dtype)
+        x = (buf[1:] if misaligned else buf[:-1]).view(T, I).detach().requires_grad_()
+        values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=dtype) / b**0.5).requires_grad_()
+        bias = torch.randn(O, device="cuda", dtype=dtype, requires_grad=True)
+        y = block_sparse_linear(x, values, meta, bias)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        x32, v32 = x.detach().float(), values.detach().float()
+        y_ref = x32 @ values_to_dense(v32, meta).t() + bias.detach().float()
+        dx, dv, db = reference_grads(x32, dy.float(), v32, meta)
+        for got, ref in ((y, y_ref), (x.grad, dx), (values.grad, dv), (bias.grad, db)):
+            assert rel(got, ref) < 1e-2
+    assert len(meta._groups["plans"]) == 3 * 2  # fwd, dx, dw at each of the two token counts

@@ -47,9 +47,14 @@ class BlockFormat(WeightFormat):
     def meta(layer: SparseLinear) -> BlockSparseMeta:
         """The layer's metadata; re-wrapped (no rebuild) when ``.to()`` replaced its buffers."""
         meta = layer._bs_meta
-        bufs = {name: getattr(layer, _PREFIX + name) for name in BlockSparseMeta.TENSORS}
-        if any(bufs[name] is not getattr(meta, name) for name in bufs):
-            meta = layer._bs_meta = meta.with_tensors(**bufs)
+        # Called on every forward: read the buffer dict directly (nn.Module.__getattr__ costs ~1 µs a name)
+        # and compare identities; .to() replaces all buffers at once, so any mismatch means re-wrap.
+        bufs = layer._buffers
+        for name in BlockSparseMeta.TENSORS:
+            if bufs[_PREFIX + name] is not getattr(meta, name):
+                meta = layer._bs_meta = meta.with_tensors(
+                    **{n: bufs[_PREFIX + n] for n in BlockSparseMeta.TENSORS})
+                break
         return meta
 
     def _build_meta(self, layer: SparseLinear, mask: Tensor, device: torch.device) -> BlockSparseMeta:
