@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparsetrain.kernels._device import num_sms
 from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
 from sparsetrain.sparsity.layout import Block
 
@@ -279,24 +280,12 @@ def _pick(kind: str, key: tuple, device: torch.device, candidates: list, interp:
     return best
 
 
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
 def _choose_split(n_groups: int, T: int, block_t: int, device: torch.device) -> int:
     """Token slices for the weight gradient: enough programs for ~4 per multiprocessor, while each slice
     keeps at least 4 reduction steps."""
     if interpreting() or device.type != "cuda":
         return 2 if T >= 2 * block_t else 1  # exercise the atomic path in CPU tests
-    split, target = 1, 4 * _num_sms(device)
+    split, target = 1, 4 * num_sms(device)
     while split < 64 and n_groups * split < target and triton_cdiv(T, 2 * split) >= 4 * block_t:
         split *= 2
     return split

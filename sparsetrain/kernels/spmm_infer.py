@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparsetrain.kernels._device import num_sms
+
 BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_K = 64  # columns per tile: one 64-bit bitmap word per tile row (fixed by the kernel)
 MAX_TOKENS = 64       # largest N the sparse kernel takes; larger N expands W and runs a dense GEMM
@@ -205,7 +207,6 @@ def _use_triton(t: Tensor) -> bool:
 
 
 _WORKSPACE: dict[tuple, tuple[Tensor, Tensor]] = {}
-_SM_COUNT: dict[int, int] = {}
 
 
 def _workspace(device: torch.device, n_elems: int, n_locks: int) -> tuple[Tensor, Tensor]:
@@ -222,15 +223,6 @@ def _workspace(device: torch.device, n_elems: int, n_locks: int) -> tuple[Tensor
         locks = torch.zeros(n_locks, dtype=torch.int32, device=device)
         _WORKSPACE[key] = (ws, locks)
     return ws, locks
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
 
 
 def _check(x: Tensor, weight: SparseInferenceWeight, bias: Tensor | None) -> None:
@@ -264,7 +256,7 @@ def spmm_triton(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None =
         raise ValueError(f"x must have 1..{MAX_TOKENS} rows for the sparse kernel, got {n}")
     tm, tk = weight.tile_offsets.shape
     if split_k is None:
-        split_k = max(1, min(tk, math.ceil(cfg["waves"] * _num_sms(x2.device) / tm)))
+        split_k = max(1, min(tk, math.ceil(cfg["waves"] * num_sms(x2.device) / tm)))
     if not 1 <= split_k <= tk:
         raise ValueError(f"split_k must be in 1..{tk}, got {split_k}")
     tiles_per_split = math.ceil(tk / split_k)

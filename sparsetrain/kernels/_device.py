@@ -1,0 +1,16 @@
+"""Device facts the kernel launchers share."""
+from __future__ import annotations
+
+import torch
+
+_SMS: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessor count of a CUDA device (cached); 4 for the CPU interpreter, so grids stay small."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
