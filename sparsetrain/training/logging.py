@@ -172,18 +172,11 @@ class MetricsLogger:
         if not path.exists():
             return 0
         kept = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if not isinstance(row, dict):
-                    continue
-                row_step = row.get("step")
-                if isinstance(row_step, (int, float)) and row_step > step:
-                    continue
-                kept.append(line if line.endswith("\n") else line + "\n")
+        for line, row in _parsed_lines(path):
+            row_step = row.get("step")
+            if isinstance(row_step, (int, float)) and row_step > step:
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
         _atomic_write_text(path, "".join(kept))
         return len(kept)
 
@@ -200,7 +193,12 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    rows = []
+    return [_decode_row(row) for _, row in _parsed_lines(path)]
+
+
+def _parsed_lines(path: Path):
+    """(line, row) for every line of a metrics file that parses to a JSON object (a killed run's partial
+    last line does not)."""
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
@@ -208,8 +206,7 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
             except json.JSONDecodeError:
                 continue
             if isinstance(row, dict):
-                rows.append(_decode_row(row))
-    return rows
+                yield line, row
 
 
 # --------------------------------------------------------------------------------------------------
