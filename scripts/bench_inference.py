@@ -106,18 +106,25 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
     ours_copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
     csr = w.to_sparse_csr() if with_csr and DEV == "cuda" else None
     rows = []
+    cuda_ok = DEV == "cuda" and si.cuda_kernel_usable(torch.zeros(1, k, device=DEV, dtype=dtype), cw)
     for n in tokens:
         x = torch.randn(n, k, device=DEV, dtype=dtype)
-        err = rel_err(si.spmm_triton(x, cw, config=config), si.spmm_reference(x, cw))
+        ref = si.spmm_reference(x, cw)
+        err_t = rel_err(si.spmm_triton(x, cw, config=config), ref)
+        err_c = rel_err(si.spmm_cuda(x, cw), ref) if cuda_ok else None
         t_dense = bench(Rotating(dense_copies, lambda wt, x=x: F.linear(x, wt)))
-        t_ours = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_triton(x, c, config=config)))
+        t_triton = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_triton(x, c, config=config)))
+        t_cuda = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_cuda(x, c))) if cuda_ok else None
+        t_ours = t_cuda if t_cuda is not None else t_triton
         t_csr = None
         if csr is not None:
             xt = x.t().contiguous()
             t_csr = bench(lambda csr=csr, xt=xt: torch.sparse.mm(csr, xt))
         rows.append({"M": m, "K": k, "sparsity": s, "N": n, "dense_ms": t_dense, "ours_ms": t_ours,
+                     "cuda_ms": t_cuda, "triton_ms": t_triton, "triton_speedup": t_dense / t_triton,
                      "csr_ms": t_csr, "speedup": t_dense / t_ours,
-                     "csr_speedup": (t_dense / t_csr) if t_csr else None, "rel_err": err,
+                     "csr_speedup": (t_dense / t_csr) if t_csr else None,
+                     "rel_err": err_c if err_c is not None else err_t, "rel_err_triton": err_t,
                      "ours_TBps": cw.nbytes() / t_ours / 1e9, "dense_TBps": w.numel() * 2 / t_dense / 1e9,
                      "bytes_per_elem": cw.nbytes() / (m * k), "ideal_bytes_per_elem": 0.125 + 2 * (1 - s),
                      "compress_s": compress_s, "to_dense_exact": exact})
@@ -140,18 +147,58 @@ def env() -> dict:
             "config": dict(si.CONFIG), "break_even_sparsity": si.BREAK_EVEN_SPARSITY}
 
 
+def edge_weight(m: int, k: int, dtype) -> torch.Tensor:
+    """Empty tiles (first 128 rows, last 64 columns zero), one fully dense tile, 90% elsewhere."""
+    w = random_sparse(m, k, 0.9, dtype)
+    w[:128] = 0
+    w[:, -64:] = 0
+    w[128:256, :64] = torch.randn(128, 64, device=DEV, dtype=dtype)
+    return w
+
+
 def correctness() -> list[dict]:
+    """Every kernel vs the plain-torch reference on fresh random inputs (CUDA kernel where built)."""
     out = []
     dtypes = (torch.float16, torch.bfloat16) if DEV == "cuda" else (torch.float16,)
-    shapes = [(4096, 4160), (1000, 3000)] if DEV == "cuda" else [(100, 300)]
+    shapes = [(4096, 4160), (1000, 3001), (384, 200)] if DEV == "cuda" else [(100, 300)]
     for dtype in dtypes:
-        for (m, k) in shapes:
-            for s in (0.5, 0.9):
-                cw = si.compress(random_sparse(m, k, s, dtype))
-                for n in (1, 13, 64):
-                    out.append({"dtype": str(dtype), "M": m, "K": k, "sparsity": s, "N": n,
-                                "rel_err": check(cw, dtype, n)})
+        cases = [((m, k), s, random_sparse(m, k, s, dtype)) for (m, k) in shapes for s in (0.5, 0.9)]
+        cases.append(((1024, 1024), "edge", edge_weight(1024, 1024, dtype)))
+        for (m, k), s, w in cases:
+            cw = si.compress(w)
+            for n in (1, 5, 13, 16, 33, 64):
+                x = torch.randn(n, k, device=DEV, dtype=dtype)
+                b = torch.randn(m, device=DEV, dtype=dtype)
+                ref = si.spmm_reference(x, cw, b)
+                row = {"dtype": str(dtype), "M": m, "K": k, "sparsity": s, "N": n,
+                       "rel_err": rel_err(si.spmm_infer(x, cw, b), ref),
+                       "rel_err_triton": rel_err(si.spmm_triton(x, cw, b), ref)}
+                if DEV == "cuda" and si.cuda_kernel_usable(x, cw):
+                    for split in (1, 3):
+                        row[f"rel_err_cuda_split{split}"] = rel_err(si.spmm_cuda(x, cw, b, split_k=split), ref)
+                    xs = torch.randn(n, k + 3, device=DEV, dtype=dtype)[:, 1:k + 1]  # misaligned view
+                    row["rel_err_cuda_view"] = rel_err(si.spmm_cuda(xs, cw), si.spmm_reference(xs, cw))
+                out.append(row)
     return out
+
+
+def cuda_waves_sweep() -> list[dict]:
+    """Blocks per multiprocessor (split-K) for the CUDA kernel, N = 16."""
+    res = []
+    for (m, k) in [(28672, 7168), (4096, 14336)]:
+        for s in (0.7, 0.9):
+            w = random_sparse(m, k, s)
+            cw = si.compress(w)
+            copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
+            x = torch.randn(16, k, device=DEV, dtype=torch.float16)
+            dense = bench(lambda x=x, w=w: F.linear(x, w))
+            for waves in (1, 2, 4, 8, 16):
+                t = bench(Rotating(copies, lambda c, x=x, wv=waves: si.spmm_cuda(x, c, waves=wv)))
+                res.append({"M": m, "K": k, "sparsity": s, "waves": waves, "ms": t, "dense_ms": dense,
+                            "speedup": dense / t})
+                print(f"  cuda {m}x{k} s={s} waves={waves}: {t * 1e3:.1f} us ({dense / t:.2f}x)", flush=True)
+            del copies
+    return res
 
 
 def sweep(args) -> dict:
@@ -203,6 +250,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sweep", action="store_true", help="launch-configuration sweep instead of the table")
     ap.add_argument("--no-csr", action="store_true")
+    ap.add_argument("--cuda-waves", action="store_true", help="also sweep the CUDA kernel's split-K target")
     ap.add_argument("--profile", action="store_true",
                     help="only launch the kernel 5 times (28672x7168, 80%%, N=16), e.g. under ncu")
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 28672x7168,4096x14336")
@@ -221,8 +269,11 @@ def main() -> None:
     info["copy_TBps"] = copy_bandwidth()
     print(json.dumps(info))
     info["correctness"] = correctness()
-    worst = max(r["rel_err"] for r in info["correctness"])
-    print(f"correctness vs reference (fp16/bf16, N=1/13/64): worst rel err {worst:.2e}")
+    worst = max(v for r in info["correctness"] for key, v in r.items() if key.startswith("rel_err"))
+    print(f"correctness vs reference ({len(info['correctness'])} cases, fp16/bf16, N=1..64, every kernel): "
+          f"worst rel err {worst:.2e}", flush=True)
+    if args.cuda_waves:
+        info["cuda_waves"] = cuda_waves_sweep()
     if args.sweep:
         info.update(sweep(args))
         name = "bench_sweep.json"
@@ -249,14 +300,15 @@ def save(out: str, name: str, info: dict) -> None:
 
 
 def print_table(rows) -> None:
-    print("\n| M x K | s | N | dense ms | CSR ms | ours ms | ours/dense speedup | CSR speedup | ours TB/s | "
-          "B/elem (ideal) | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| M x K | s | N | dense ms | CSR ms | ours ms | ours/dense | Triton kernel ms (vs dense) | CSR vs dense "
+          "| ours TB/s | B/elem (ideal) | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         csr = f"{r['csr_ms']:.3f}" if r["csr_ms"] else "-"
         csr_x = f"{r['csr_speedup']:.2f}x" if r["csr_speedup"] else "-"
         print(f"| {r['M']}x{r['K']} | {r['sparsity']:.0%} | {r['N']} | {r['dense_ms']:.4f} | {csr} | "
-              f"{r['ours_ms']:.4f} | {r['speedup']:.2f}x | {csr_x} | {r['ours_TBps']:.2f} | "
+              f"{r['ours_ms']:.4f} | **{r['speedup']:.2f}x** | {r['triton_ms']:.4f} ({r['triton_speedup']:.2f}x) | "
+              f"{csr_x} | {r['ours_TBps']:.2f} | "
               f"{r['bytes_per_elem']:.3f} ({r['ideal_bytes_per_elem']:.3f}) | {r['rel_err']:.1e} |")
 
 

@@ -172,3 +172,48 @@ def test_gpu_split_k_is_deterministic_enough_and_complete():
     ref = spmm_reference(x, cw)
     for split in (1, 2, 7, math.ceil(8192 / 64)):
         assert _rel_err(spmm_triton(x, cw, split_k=split), ref) < 2e-3
+
+
+# ---------------------------------------------------------------- CUDA C++ kernel (csrc/spmm_bitmap.cu)
+def test_cuda_kernel_is_off_without_cuda_or_nvcc(monkeypatch):
+    from sparsetrain.kernels import _cuda
+    x = torch.randn(4, 64)
+    cw = compress(torch.randn(32, 64))
+    assert not si.cuda_kernel_usable(x, cw)  # CPU tensors never take the CUDA kernel
+    assert _cuda.load("spmm_bitmap", torch.device("cpu")) is None
+    monkeypatch.setenv("SPARSETRAIN_CUDA_KERNELS", "0")
+    assert _cuda.load("spmm_bitmap", torch.device("cuda", 0)) is None
+    assert (_cuda.CSRC / "spmm_bitmap.cu").is_file()  # shipped with the package
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(4096, 4160), (1000, 3001), (384, 200)])
+@pytest.mark.parametrize("sparsity", [0.5, 0.9])
+def test_gpu_cuda_kernel_matches_reference(dtype, m, k, sparsity):
+    w = _sparse(m, k, sparsity, dtype, "cuda")
+    cw = compress(w)
+    assert si.cuda_kernel_usable(torch.zeros(1, k, device="cuda", dtype=dtype), cw)
+    bias = torch.randn(m, device="cuda").to(dtype)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    for n in (1, 5, 16, 33, 64):
+        x = torch.randn(n, k, device="cuda").to(dtype)
+        ref = spmm_reference(x, cw, bias)
+        for split in (None, 1, 3):
+            for _ in range(2):  # the second call checks the split-K workspace came back to zero
+                y = si.spmm_cuda(x, cw, bias, split_k=split)
+                assert _rel_err(y, ref) < tol, (n, split)
+        xv = torch.randn(n, k + 3, device="cuda").to(dtype)[:, 1:k + 1]  # misaligned, strided view
+        assert _rel_err(si.spmm_cuda(xv, cw), spmm_reference(xv, cw)) < tol
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_kernel_empty_and_dense_tiles():
+    w = _sparse(1024, 1024, 0.9, torch.float16, "cuda")
+    w[:128] = 0
+    w[:, -64:] = 0
+    w[128:256, :64] = torch.randn(128, 64, device="cuda").half()
+    cw = compress(w)
+    x = torch.randn(7, 1024, device="cuda").half()
+    assert _rel_err(si.spmm_cuda(x, cw), spmm_reference(x, cw)) < 2e-3
+    assert _rel_err(spmm_infer(x, cw), spmm_reference(x, cw)) < 2e-3  # spmm_infer dispatches to it

@@ -500,7 +500,13 @@ def pack_supported(n: int, k: int, dtype: torch.dtype, device: torch.device) -> 
     key = (n, k, dtype, device.index, torch.backends.cusparselt.version())
     if key not in _PACK_OK:
         try:
-            r = transposable24(torch.randn(n, k, device=device, dtype=dtype), pack=True, pack_t=True)
+            # No exact zeros in the probe: where a kept cell holds 0, cuSPARSELt may encode the group with
+            # other (equally zero) positions, a different byte string for the same matrix. Measured on an H200:
+            # 64M-element bf16 randn draws a few exact zeros, and every byte difference sat in such a group
+            # (the cuSPARSELt products were identical), which is why those shapes used to fall back.
+            w = torch.randn(n, k, device=device, dtype=dtype)
+            w = torch.where(w == 0, torch.ones((), device=device, dtype=dtype), w)
+            r = transposable24(w, pack=True, pack_t=True)
             ok = (torch.equal(r.packed.view(torch.int16), compress(r.wm).view(torch.int16))
                   and torch.equal(r.packed_t.view(torch.int16), compress(r.wm.t().contiguous()).view(torch.int16)))
         except (RuntimeError, ValueError) as e:  # e.g. a Triton build error: keep training on the slow path

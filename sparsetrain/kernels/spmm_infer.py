@@ -22,6 +22,7 @@ Example::
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ BREAK_EVEN_SPARSITY = 1.0
 # H200: with 128-row tiles and 4 warps, 8 programs per multiprocessor (split-K) beat 2 by 9% on 28672x7168 and
 # by 25% on 4096x14336 (N = 16, 80%); 8 warps and num_stages 2 were no better.
 CONFIG = {"num_warps": 4, "num_stages": 1, "waves": 8}
+# Blocks per multiprocessor the CUDA kernel's split-K aims for (csrc/spmm_bitmap.cu; not yet tuned).
+CUDA_WAVES = 8
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -275,6 +278,81 @@ def spmm_triton(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None =
     return y
 
 
+_ALIGN_FIXED: dict[int, SparseInferenceWeight] = {}
+
+
+def _max_tile_len(weight: SparseInferenceWeight) -> int:
+    """Longest tile's value count (sizes the CUDA kernel's shared-memory buffer); computed once per weight."""
+    cached = getattr(weight, "_max_tile_len", None)
+    if cached is None:
+        ends = torch.cat([weight.tile_offsets.reshape(-1)[1:].long(),
+                          torch.tensor([weight.values.numel()], device=weight.device)])
+        cached = int((ends - weight.tile_offsets.reshape(-1).long()).max())
+        weight._max_tile_len = cached
+    return cached
+
+
+def cuda_kernel_usable(x2: Tensor, weight: SparseInferenceWeight) -> bool:
+    """Whether :func:`spmm_cuda` takes this call: CUDA, fp16/bf16, 128-row tiles, 1..64 tokens, the library
+    built (``SPARSETRAIN_SPMM_BACKEND=triton`` forces the Triton kernel)."""
+    if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or weight.block_m != 128
+            or not 1 <= x2.shape[0] <= MAX_TOKENS or os.environ.get("SPARSETRAIN_SPMM_BACKEND") == "triton"):
+        return False
+    from . import _cuda
+    return _cuda.load("spmm_bitmap", x2.device) is not None
+
+
+def spmm_cuda(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = None,
+              split_k: int | None = None, waves: int | None = None) -> Tensor:
+    """The CUDA kernel (``csrc/spmm_bitmap.cu``) on ``x2 [N, K]``, ``1 <= N <= 64``; returns ``[N, M]``.
+
+    Shared-memory staging of each tile's packed values + decode straight into ``mma.sync`` fragments (the
+    source's header says why this beats the Triton kernel). ``split_k``/``waves`` exist for the benchmark.
+    """
+    from . import _cuda
+
+    lib = _cuda.load("spmm_bitmap", x2.device)
+    if lib is None:
+        raise RuntimeError("the CUDA spmm kernel is unavailable here (see the warning above); use spmm_triton")
+    n, k = x2.shape
+    m = weight.shape[0]
+    if not 1 <= n <= MAX_TOKENS:
+        raise ValueError(f"x must have 1..{MAX_TOKENS} rows for the sparse kernel, got {n}")
+    if weight.block_m != 128:
+        raise ValueError(f"the CUDA kernel takes 128-row tiles, got block_m={weight.block_m}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        kp = -(-k // 8) * 8
+        x2 = F.pad(x2, (0, kp - k)) if kp != k else x2.clone(memory_format=torch.contiguous_format)
+    tensors = (weight.values, weight.bitmap, weight.row_offsets)
+    if any(t.data_ptr() % 16 for t in tensors):  # e.g. views into a larger buffer: copy once, aligned
+        fixed = _ALIGN_FIXED.get(id(weight))
+        if fixed is None:
+            fixed = SparseInferenceWeight.from_tensors({key: t.clone() for key, t in weight.tensors().items()},
+                                                       weight.shape)
+            _ALIGN_FIXED[id(weight)] = fixed
+        weight = fixed
+    tm, tk = weight.tile_offsets.shape
+    if split_k is None:
+        split_k = max(1, min(tk, math.ceil((waves or CUDA_WAVES) * num_sms(x2.device) / tm)))
+    tiles_per_split = math.ceil(tk / split_k)
+    split_k = math.ceil(tk / tiles_per_split)
+    y = torch.empty(n, m, dtype=x2.dtype, device=x2.device)
+    ws, locks = _workspace(x2.device, MAX_TOKENS * m, tm) if split_k > 1 else (y, y)
+    if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
+        bias = bias.to(x2.dtype).contiguous()
+    rc = lib.sparsetrain_spmm_bitmap(
+        ctypes.c_longlong(x2.data_ptr()), ctypes.c_longlong(weight.bitmap.data_ptr()),
+        ctypes.c_longlong(weight.row_offsets.data_ptr()), ctypes.c_longlong(weight.values.data_ptr()),
+        ctypes.c_longlong(weight.tile_offsets.data_ptr()), ctypes.c_longlong(bias.data_ptr() if bias is not None else 0),
+        ctypes.c_longlong(y.data_ptr()), ctypes.c_longlong(ws.data_ptr()), ctypes.c_longlong(locks.data_ptr()),
+        ctypes.c_longlong(weight.values.numel()), n, m, k, x2.stride(0), y.stride(0), tm, tk, tiles_per_split,
+        split_k, _max_tile_len(weight), int(x2.dtype == torch.bfloat16),
+        ctypes.c_longlong(torch.cuda.current_stream(x2.device).cuda_stream))
+    if rc != 0:
+        raise RuntimeError(f"spmm_bitmap CUDA launch failed with code {rc}")
+    return y
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -287,6 +365,8 @@ class _SpmmInferFn(torch.autograd.Function):
         if ctx is not None:
             ctx.weight = weight
             ctx.has_bias = bias is not None
+        if x2.is_cuda and cuda_kernel_usable(x2, weight):
+            return spmm_cuda(x2, weight, bias)
         if _use_triton(x2) and x2.shape[0] <= MAX_TOKENS:
             return spmm_triton(x2, weight, bias)
         # Many tokens (prefill) or no Triton: the GEMM is compute-bound, so expand W once and call cuBLAS.

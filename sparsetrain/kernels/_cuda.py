@@ -1,0 +1,93 @@
+"""Builds and loads sparsetrain's CUDA C++ kernels (``kernels/csrc/*.cu``) on first use.
+
+The sources take plain pointers and a stream as integers and are called through :mod:`ctypes`, so no torch
+headers or pybind are compiled (a build is one ``nvcc`` call of a few seconds). The shared library is cached
+under ``$SPARSETRAIN_CACHE`` (default ``~/.cache/sparsetrain``)/``kernels``, keyed by the source, the GPU
+architecture and the nvcc version, and written atomically (temp file + rename), so concurrent processes are
+safe. Without ``nvcc`` (or when a build fails) :func:`load` returns ``None`` with a warning, once, and callers
+keep their Triton path. ``SPARSETRAIN_CUDA_KERNELS=0`` turns these kernels off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+_LIBS: dict[tuple[str, int], ctypes.CDLL | None] = {}
+
+
+def nvcc_path() -> str | None:
+    """``nvcc`` from ``$CUDA_HOME``/``$CUDA_PATH`` or the PATH, or None."""
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPARSETRAIN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "sparsetrain")
+    return Path(root) / "kernels"
+
+
+def enabled() -> bool:
+    return os.environ.get("SPARSETRAIN_CUDA_KERNELS", "1") != "0"
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+def build(name: str, arch: str, nvcc: str) -> Path:
+    """Compiles ``csrc/<name>.cu`` for ``sm_<arch>`` into the cache (if not there yet); returns the .so path."""
+    src = CSRC / f"{name}.cu"
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256(src.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-sm{arch}-{key}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", tmp, str(src)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def load(name: str, device: torch.device) -> ctypes.CDLL | None:
+    """The compiled ``csrc/<name>.cu`` for ``device`` (built on first call), or None where unavailable."""
+    if device.type != "cuda" or not enabled():
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    arch = _arch(torch.device("cuda", idx))
+    key = (name, int(arch))
+    if key not in _LIBS:
+        lib = None
+        nvcc = nvcc_path()
+        if nvcc is None:
+            warnings.warn(f"sparsetrain: nvcc not found; the CUDA kernel '{name}' is off (Triton path used)",
+                          stacklevel=3)
+        else:
+            try:
+                lib = ctypes.CDLL(str(build(name, arch, nvcc)))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                warnings.warn(f"sparsetrain: could not build the CUDA kernel '{name}' ({e!s:.500}); "
+                              "using the Triton path", stacklevel=3)
+        _LIBS[key] = lib
+    return _LIBS[key]
