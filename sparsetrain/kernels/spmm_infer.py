@@ -2,8 +2,9 @@
 
 Generation multiplies a few tokens ``X [N, K]`` (N <= 64) by a large weight ``W [M, K]``: the time is the time
 to read ``W``. :func:`compress` stores ``W`` as per-tile bitmaps plus the packed nonzeros, and
-:func:`spmm_infer` expands each tile in registers and multiplies it on the tensor cores (see
-``_spmm_infer_triton``).
+:func:`spmm_infer` expands each tile on chip and multiplies it on the tensor cores: with the CUDA kernel
+(``csrc/spmm_bitmap.cu``, :func:`spmm_cuda`, built on first use where ``nvcc`` exists) on CUDA fp16/bf16, else
+with the Triton kernel (``_spmm_infer_triton``, :func:`spmm_triton`; also the CPU interpreter path).
 
 Bytes per weight element (fp16/bf16, 128 x 64 tiles): 0.125 (bitmap) + 2(1-s) (values) + 0.0625 (per tile
 row of 64: a 2-byte zero slot and an int16 offset) + 0.0005 (one int32 per tile). Why a bitmap and not a tiled
@@ -39,9 +40,10 @@ MAX_TOKENS = 64       # largest N the sparse kernel takes; larger N expands W an
 
 # Below this sparsity SparseInferenceLinear(mode="auto") keeps a dense weight and calls F.linear, because the
 # compressed kernel is slower than cuBLAS there. Measured on an H200 (scripts/bench_inference.py, 2026-11-21,
-# tables in docs/inference.md): the kernel reached 0.30-0.59x of cuBLAS at 50-90% sparsity, N = 8..64, and
-# 0.60x at 97% (sweep), i.e. slower at every sparsity tried, so "auto" never compresses.
-# mode="compressed" trades that speed for 3-5x less weight memory.
+# tables in docs/inference.md): the CUDA kernel reached 0.78-1.05x of cuBLAS at N = 16 (50-90% sparsity; >= 1.0x
+# only on some shapes at 80-90%) and 0.48-0.59x at N = 64; the Triton kernel 0.30-0.74x. No sparsity is faster
+# on every shape, so "auto" never compresses; mode="compressed" trades 0-20% of speed at 70-90% (N <= 16) for
+# 2.5-5x less weight memory.
 BREAK_EVEN_SPARSITY = 1.0
 
 # Launch configuration (block_m = 128 is compress's default), from `scripts/bench_inference.py --sweep` on an
