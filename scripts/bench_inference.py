@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from sparsetrain.kernels import spmm_csl as sc  # noqa: E402
 from sparsetrain.kernels import spmm_infer as si  # noqa: E402
 
 SHAPES = [(28672, 7168), (7168, 28672), (9216, 36864), (36864, 9216), (4096, 14336), (14336, 4096)]
@@ -107,6 +108,10 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
     csr = w.to_sparse_csr() if with_csr and DEV == "cuda" else None
     rows = []
     cuda_ok = DEV == "cuda" and si.cuda_kernel_usable(torch.zeros(1, k, device=DEV, dtype=dtype), cw)
+    csl = sc.compress_csl(w)
+    csl_ok = DEV == "cuda" and sc.cuda_usable(torch.zeros(1, k, device=DEV, dtype=dtype), csl)
+    csl_copies = ([csl] + [sc.CslWeight.from_tensors({a: b.clone() for a, b in csl.tensors().items()}, csl.shape)
+                           for _ in range(n_copies(csl.nbytes()) - 1)]) if csl_ok else []
     for n in tokens:
         x = torch.randn(n, k, device=DEV, dtype=dtype)
         ref = si.spmm_reference(x, cw)
@@ -116,6 +121,8 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
         t_triton = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_triton(x, c, config=config)))
         t_cuda = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_cuda(x, c))) if cuda_ok else None
         t_ours = t_cuda if t_cuda is not None else t_triton
+        err_csl = rel_err(sc.spmm_csl_cuda(x, csl), ref) if csl_ok else None
+        t_csl = bench(Rotating(csl_copies, lambda c, x=x: sc.spmm_csl_cuda(x, c))) if csl_ok else None
         t_csr = None
         if csr is not None:
             xt = x.t().contiguous()
@@ -127,11 +134,13 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
                      "rel_err": err_c if err_c is not None else err_t, "rel_err_triton": err_t,
                      "ours_TBps": cw.nbytes() / t_ours / 1e9, "dense_TBps": w.numel() * 2 / t_dense / 1e9,
                      "bytes_per_elem": cw.nbytes() / (m * k), "ideal_bytes_per_elem": 0.125 + 2 * (1 - s),
-                     "compress_s": compress_s, "to_dense_exact": exact})
+                     "compress_s": compress_s, "to_dense_exact": exact,
+                     "csl_ms": t_csl, "csl_speedup": (t_dense / t_csl) if t_csl else None, "rel_err_csl": err_csl,
+                     "csl_bytes_per_elem": csl.nbytes() / (m * k), "csl_exact": bool(torch.equal(csl.to_dense(), w))})
     t_decode = bench(Rotating(ours_copies, lambda c: c.to_dense()))
     for r in rows:
         r["decode_to_dense_ms"] = t_decode
-    del dense_copies, ours_copies, csr
+    del dense_copies, ours_copies, csr, csl_copies
     if DEV == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -178,6 +187,10 @@ def correctness() -> list[dict]:
                         row[f"rel_err_cuda_split{split}"] = rel_err(si.spmm_cuda(x, cw, b, split_k=split), ref)
                     xs = torch.randn(n, k + 3, device=DEV, dtype=dtype)[:, 1:k + 1]  # misaligned view
                     row["rel_err_cuda_view"] = rel_err(si.spmm_cuda(xs, cw), si.spmm_reference(xs, cw))
+                    cl = sc.compress_csl(w)
+                    for split in (1, 3, None):
+                        row[f"rel_err_csl_split{split}"] = rel_err(sc.spmm_csl_cuda(x, cl, b, split_k=split), ref)
+                    row["rel_err_csl_view"] = rel_err(sc.spmm_csl_cuda(xs, cl), si.spmm_reference(xs, cw))
                 out.append(row)
     return out
 
@@ -301,15 +314,17 @@ def save(out: str, name: str, info: dict) -> None:
 
 def print_table(rows) -> None:
     print("\n| M x K | s | N | dense ms | CSR ms | ours ms | ours/dense | Triton kernel ms (vs dense) | CSR vs dense "
-          "| ours TB/s | B/elem (ideal) | rel err |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| ours TB/s | B/elem (ideal) | rel err | CSL ms (vs dense) | CSL B/elem | CSL err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         csr = f"{r['csr_ms']:.3f}" if r["csr_ms"] else "-"
         csr_x = f"{r['csr_speedup']:.2f}x" if r["csr_speedup"] else "-"
         print(f"| {r['M']}x{r['K']} | {r['sparsity']:.0%} | {r['N']} | {r['dense_ms']:.4f} | {csr} | "
               f"{r['ours_ms']:.4f} | **{r['speedup']:.2f}x** | {r['triton_ms']:.4f} ({r['triton_speedup']:.2f}x) | "
               f"{csr_x} | {r['ours_TBps']:.2f} | "
-              f"{r['bytes_per_elem']:.3f} ({r['ideal_bytes_per_elem']:.3f}) | {r['rel_err']:.1e} |")
+              f"{r['bytes_per_elem']:.3f} ({r['ideal_bytes_per_elem']:.3f}) | {r['rel_err']:.1e} | "
+              + (f"{r['csl_ms']:.4f} (**{r['csl_speedup']:.2f}x**) | {r['csl_bytes_per_elem']:.3f} | {r['rel_err_csl']:.1e} |"
+                 if r.get("csl_ms") else f"- | {r['csl_bytes_per_elem']:.3f} | - |"))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def build(name: str, arch: str, nvcc: str) -> Path:
     """Compiles ``csrc/<name>.cu`` for ``sm_<arch>`` into the cache (if not there yet); returns the .so path."""
     src = CSRC / f"{name}.cu"
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256(src.read_bytes() + arch.encode() + version.encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.cuh")))
+    key = hashlib.sha256(src.read_bytes() + headers + arch.encode() + version.encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-sm{arch}-{key}.so"
     if out.is_file():
         return out

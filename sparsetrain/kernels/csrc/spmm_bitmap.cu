@@ -18,14 +18,10 @@
 //
 // Built at first use by sparsetrain/kernels/_cuda.py with nvcc for the GPU's own architecture and called
 // through ctypes (no torch headers): every pointer and the stream come in as integers.
-#include <cuda_runtime.h>
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <stdint.h>
-
-#include <type_traits>
+#include "common.cuh"
 
 namespace {
+using namespace sparsetrain;
 
 constexpr int BM = 128;       // rows of W per tile (fixed: compress(block_m=128))
 constexpr int BK = 64;        // columns per tile
@@ -33,48 +29,6 @@ constexpr int THREADS = 128;  // 4 warps x 32 rows each (two m16 fragments)
 // Halves per staged X row: 68 halves = 34 words; 34 = 2 (mod 8) makes each half-warp's 8-byte fragment
 // loads (rows g = 0..3 or 4..7, column groups t = 0..3) hit 32 distinct banks.
 constexpr int XS_STRIDE = BK + 4;
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, int src_bytes) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  if constexpr (BF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 struct Args {
   const uint16_t* x;        // [N, K] (16-byte aligned, row stride sx % 8 == 0)
@@ -226,53 +180,8 @@ __global__ void __launch_bounds__(THREADS) spmm_bitmap_mma_kernel(const Args a) 
   }
   cp_async_wait<0>();
 
-  // Epilogue: fragment element (mt, nt, i) is W row o = tile row base + warp*32 + mt*16 + g + 8*(i >> 1),
-  // token n = nt*8 + 2t + (i & 1).
-  const int row_base = pid_m * BM + warp * 32;
-  if (a.split_k == 1) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int o = row_base + mt * 16 + g + 8 * (i >> 1);
-          const int n = nt * 8 + 2 * t + (i & 1);
-          if (o < a.m && n < a.n) {
-            float v = acc[mt][nt][i];
-            if (a.bias) v += to_float<T>(reinterpret_cast<const T*>(a.bias)[o]);
-            reinterpret_cast<T*>(a.y)[static_cast<long long>(n) * a.sy + o] = from_float<T>(v);
-          }
-        }
-    return;
-  }
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int o = row_base + mt * 16 + g + 8 * (i >> 1);
-        const int n = nt * 8 + 2 * t + (i & 1);
-        if (o < a.m && n < a.n) atomicAdd(a.ws + static_cast<long long>(n) * a.m + o, acc[mt][nt][i]);
-      }
-  __threadfence();
-  __syncthreads();
-  __shared__ int last;
-  if (threadIdx.x == 0) last = (atomicAdd(a.locks + pid_m, 1) == a.split_k - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int rows = min(BM, a.m - pid_m * BM);
-  for (int idx = threadIdx.x; idx < rows * a.n; idx += THREADS) {
-    const int n = idx / rows, o = pid_m * BM + idx % rows;
-    float* p = a.ws + static_cast<long long>(n) * a.m + o;
-    float v = __ldcg(p);
-    __stcg(p, 0.f);
-    if (a.bias) v += to_float<T>(reinterpret_cast<const T*>(a.bias)[o]);
-    reinterpret_cast<T*>(a.y)[static_cast<long long>(n) * a.sy + o] = from_float<T>(v);
-  }
-  if (threadIdx.x == 0) a.locks[pid_m] = 0;
+  write_output<NT, T>(acc, pid_m * BM + warp * 32, pid_m * BM, BM, a.m, a.n, a.bias, a.y, a.sy, a.split_k, a.ws,
+                      a.locks, pid_m, THREADS);
 }
 
 template <int NT, bool BF16>

@@ -1,0 +1,109 @@
+// Device helpers shared by sparsetrain's CUDA kernels (spmm_bitmap.cu, spmm_csl.cu).
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+namespace sparsetrain {
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, int src_bytes) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (BF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Writes the [2 x 16 rows] x [NT x 8 tokens] fp32 accumulators of one warp: straight to Y when there is no
+// split-K; else adds them to the fp32 workspace, and the last block of the row tile (arrival counter) adds the
+// bias, writes Y and re-zeroes its part of the workspace. Fragment element (mt, nt, i) is W row
+// row_base + mt*16 + g + 8*(i >> 1) and token nt*8 + 2t + (i & 1).
+template <int NT, typename T>
+__device__ __forceinline__ void write_output(float (&acc)[2][NT][4], int row_base, int tile_row0, int rows_per_tile,
+                                             int m, int n, const uint16_t* bias, uint16_t* y, int sy, int split_k,
+                                             float* ws, int32_t* locks, int pid_m, int threads) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  if (split_k == 1) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int o = row_base + mt * 16 + g + 8 * (i >> 1);
+          const int tok = nt * 8 + 2 * t + (i & 1);
+          if (o < m && tok < n) {
+            float v = acc[mt][nt][i];
+            if (bias) v += to_float<T>(reinterpret_cast<const T*>(bias)[o]);
+            reinterpret_cast<T*>(y)[static_cast<long long>(tok) * sy + o] = from_float<T>(v);
+          }
+        }
+    return;
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int o = row_base + mt * 16 + g + 8 * (i >> 1);
+        const int tok = nt * 8 + 2 * t + (i & 1);
+        if (o < m && tok < n) atomicAdd(ws + static_cast<long long>(tok) * m + o, acc[mt][nt][i]);
+      }
+  __threadfence();
+  __syncthreads();
+  __shared__ int last;
+  if (threadIdx.x == 0) last = (atomicAdd(locks + pid_m, 1) == split_k - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int rows = min(rows_per_tile, m - tile_row0);
+  for (int idx = threadIdx.x; idx < rows * n; idx += threads) {
+    const int tok = idx / rows, o = tile_row0 + idx % rows;
+    float* p = ws + static_cast<long long>(tok) * m + o;
+    float v = __ldcg(p);
+    __stcg(p, 0.f);
+    if (bias) v += to_float<T>(reinterpret_cast<const T*>(bias)[o]);
+    reinterpret_cast<T*>(y)[static_cast<long long>(tok) * sy + o] = from_float<T>(v);
+  }
+  if (threadIdx.x == 0) locks[pid_m] = 0;
+}
+
+}  // namespace sparsetrain

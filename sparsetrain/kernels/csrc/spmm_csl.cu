@@ -1,0 +1,232 @@
+// Skinny SpMM Y[N, M] = X[N, K] · W[M, K]ᵀ (+ bias) with W in tiled CSL with byte locations
+// (sparsetrain/kernels/spmm_csl.py: 128 x 64 tiles of 32 sub-tiles 16 x 16; per nonzero a value and a one-byte
+// position inside its sub-tile; int16 sub-tile offsets; int32 tile offsets).
+//
+// Work per nonzero, not per weight element (Flash-LLM's "load as sparse, compute as dense"):
+//   1. the tile's values, locations and sub-tile offsets and the X slice are copied into shared memory with
+//      16-byte cp.async, double-buffered (tile kt + 1 in flight while tile kt is computed);
+//   2. each warp owns 32 rows (8 sub-tiles) of a dense [32, 64] half tile in shared memory, zeroed once: its
+//      lanes scatter the sub-tiles' nonzeros into it (one 2-byte store each; the loops are warp-uniform);
+//   3. ldmatrix + mma.sync.m16n8k16 (fp32 accumulation) multiply it by X;
+//   4. the same lanes store zeros back at the positions they wrote, so the tile is zero for the next one.
+// Split-K and the output are as in spmm_bitmap.cu (common.cuh: write_output).
+#include "common.cuh"
+
+namespace {
+using namespace sparsetrain;
+
+constexpr int BM = 128;
+constexpr int BK = 64;
+constexpr int THREADS = 128;
+constexpr int XS_STRIDE = BK + 8;  // halves: 144-byte rows, conflict-free 4-byte fragment loads
+constexpr int AS_STRIDE = BK + 8;  // halves: 144-byte rows, conflict-free ldmatrix
+constexpr int N_SUB = 32;
+
+struct Args {
+  const uint16_t* x;
+  const uint16_t* values;
+  const uint8_t* locs;
+  const int16_t* sub_off;   // [TM, TK, 32]
+  const int32_t* tile_off;  // [TM, TK]
+  const uint16_t* bias;
+  uint16_t* y;
+  float* ws;
+  int32_t* locks;
+  long long nnz;
+  int n, m, k, sx, sy, tk, n_tiles, tiles_per_split, split_k;
+  int vcap;  // halves per value window (multiple of 8)
+  int lcap;  // bytes per location window (multiple of 16)
+};
+
+struct Staged {
+  int v0, l0, len;  // window index of the tile's first value / location; the tile's nonzero count
+};
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+template <int NT>
+__device__ __forceinline__ Staged stage_tile(const Args& a, int tile, int kt, uint16_t* sv, uint8_t* sl,
+                                             int16_t* so, uint16_t* xs) {
+  const int tid = threadIdx.x;
+  const long long s = a.tile_off[tile];
+  const long long e = (tile + 1 < a.n_tiles) ? static_cast<long long>(a.tile_off[tile + 1]) : a.nnz;
+  const long long bv = s & ~7LL, bl = s & ~15LL;
+  const int v_chunks = static_cast<int>((e - bv + 7) >> 3);
+  const int l_chunks = static_cast<int>((e - bl + 15) >> 4);
+  for (int c = tid; c < v_chunks + l_chunks; c += THREADS) {
+    if (c < v_chunks) {
+      const long long idx = bv + 8LL * c;
+      const long long valid = a.nnz - idx;
+      const int bytes = valid >= 8 ? 16 : static_cast<int>(valid > 0 ? 2 * valid : 0);
+      cp_async16(sv + 8 * c, bytes > 0 ? a.values + idx : a.values, bytes);
+    } else {
+      const int cl = c - v_chunks;
+      const long long idx = bl + 16LL * cl;
+      const long long valid = a.nnz - idx;
+      const int bytes = valid >= 16 ? 16 : static_cast<int>(valid > 0 ? valid : 0);
+      cp_async16(sl + 16 * cl, bytes > 0 ? a.locs + idx : a.locs, bytes);
+    }
+  }
+  if (tid < 4) cp_async16(so + 8 * tid, a.sub_off + static_cast<long long>(tile) * N_SUB + 8 * tid, 16);
+  constexpr int X_CHUNKS = NT * 8 * (BK / 8);
+  for (int c = tid; c < X_CHUNKS; c += THREADS) {
+    const int row = c >> 3, q = c & 7;
+    const int col = kt * BK + 8 * q;
+    int bytes = 0;
+    if (row < a.n && col < a.k) bytes = (a.k - col) >= 8 ? 16 : 2 * (a.k - col);
+    const uint16_t* src = bytes > 0 ? a.x + static_cast<long long>(row) * a.sx + col : a.x;
+    cp_async16(xs + row * XS_STRIDE + 8 * q, src, bytes);
+  }
+  return Staged{static_cast<int>(s - bv), static_cast<int>(s - bl), static_cast<int>(e - s)};
+}
+
+// Writes `val` at every nonzero position of the warp's 8 sub-tiles (the scatter, or the zeroing after use).
+template <bool VALUES>
+__device__ __forceinline__ void scatter(uint16_t* as, const uint16_t* sv, const uint8_t* sl, const int16_t* so,
+                                        const Staged& st, int warp, int lane) {
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const int sub = warp * 8 + q;
+    const int begin = so[sub];
+    const int end = sub + 1 < N_SUB ? so[sub + 1] : st.len;
+    uint16_t* origin = as + (q >> 2) * 16 * AS_STRIDE + (q & 3) * 16;
+    for (int i = begin + lane; i < end; i += 32) {
+      const int l = sl[st.l0 + i];
+      origin[(l >> 4) * AS_STRIDE + (l & 15)] = VALUES ? sv[st.v0 + i] : static_cast<uint16_t>(0);
+    }
+  }
+}
+
+template <int NT, bool BF16>
+__global__ void __launch_bounds__(THREADS) spmm_csl_mma_kernel(const Args a) {
+  using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int x_halves = NT * 8 * XS_STRIDE;
+  const int stage_bytes = 2 * a.vcap + a.lcap + 2 * N_SUB + 2 * x_halves;  // multiple of 16
+  uint16_t* as_all = reinterpret_cast<uint16_t*>(smem_raw + 2 * stage_bytes);
+  auto sv_of = [&](int st) { return reinterpret_cast<uint16_t*>(smem_raw + st * stage_bytes); };
+  auto sl_of = [&](int st) { return reinterpret_cast<uint8_t*>(sv_of(st) + a.vcap); };
+  auto so_of = [&](int st) { return reinterpret_cast<int16_t*>(sl_of(st) + a.lcap); };
+  auto xs_of = [&](int st) { return reinterpret_cast<uint16_t*>(so_of(st) + N_SUB); };
+
+  const int pid_m = blockIdx.x, pid_s = blockIdx.y;
+  const int kt_begin = pid_s * a.tiles_per_split;
+  const int kt_end = min(kt_begin + a.tiles_per_split, a.tk);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  uint16_t* as = as_all + warp * 32 * AS_STRIDE;
+
+  // Zero the warp's dense tile once; afterwards every tile puts its zeros back.
+  for (int i = lane; i < 32 * AS_STRIDE / 8; i += 32) reinterpret_cast<uint4*>(as)[i] = make_uint4(0, 0, 0, 0);
+
+  float acc[2][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+  Staged cur{0, 0, 0}, next{0, 0, 0};
+  if (kt_begin < kt_end)
+    cur = stage_tile<NT>(a, pid_m * a.tk + kt_begin, kt_begin, sv_of(0), sl_of(0), so_of(0), xs_of(0));
+  cp_async_commit();
+  for (int kt = kt_begin; kt < kt_end; ++kt) {
+    const int st = (kt - kt_begin) & 1;
+    if (kt + 1 < kt_end)
+      next = stage_tile<NT>(a, pid_m * a.tk + kt + 1, kt + 1, sv_of(st ^ 1), sl_of(st ^ 1), so_of(st ^ 1),
+                            xs_of(st ^ 1));
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const uint16_t* sv = sv_of(st);
+    const uint8_t* sl = sl_of(st);
+    const int16_t* so = so_of(st);
+    const uint16_t* xs = xs_of(st);
+
+    scatter<true>(as, sv, sl, so, cur, warp, lane);
+    __syncwarp();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      uint32_t bf[NT][2];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint16_t* xr = xs + (nt * 8 + g) * XS_STRIDE + 16 * kk + 2 * t;
+        bf[nt][0] = *reinterpret_cast<const uint32_t*>(xr);
+        bf[nt][1] = *reinterpret_cast<const uint32_t*>(xr + 8);
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        uint32_t af[4];
+        ldmatrix_x4(af, as + (mt * 16 + (lane & 15)) * AS_STRIDE + 16 * kk + (lane >> 4) * 8);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma16816<BF16>(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
+      }
+    }
+    __syncwarp();
+    scatter<false>(as, sv, sl, so, cur, warp, lane);
+    __syncthreads();  // this stage is overwritten by the copy issued in the next iteration
+    cur = next;
+  }
+  cp_async_wait<0>();
+  write_output<NT, T>(acc, pid_m * BM + warp * 32, pid_m * BM, BM, a.m, a.n, a.bias, a.y, a.sy, a.split_k, a.ws,
+                      a.locks, pid_m, THREADS);
+}
+
+template <int NT, bool BF16>
+int launch_t(const Args& a, int grid_m, int grid_s, cudaStream_t stream) {
+  const int stage_bytes = 2 * a.vcap + a.lcap + 2 * N_SUB + 2 * NT * 8 * XS_STRIDE;
+  const int smem = 2 * stage_bytes + 2 * 4 * 32 * AS_STRIDE;
+  auto kern = spmm_csl_mma_kernel<NT, BF16>;
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  kern<<<dim3(grid_m, grid_s), THREADS, smem, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" {
+
+int sparsetrain_spmm_csl(long long x, long long values, long long locs, long long sub_off, long long tile_off,
+                         long long bias, long long y, long long ws, long long locks, long long nnz, int n, int m,
+                         int k, int sx, int sy, int tm, int tk, int tiles_per_split, int split_k, int max_tile_len,
+                         int bf16, long long stream) {
+  if (n < 1 || n > 64 || (sx & 7) || (x & 15) || (values & 15) || (locs & 15) || (sub_off & 15)) return -1;
+  Args a;
+  a.x = reinterpret_cast<const uint16_t*>(x);
+  a.values = reinterpret_cast<const uint16_t*>(values);
+  a.locs = reinterpret_cast<const uint8_t*>(locs);
+  a.sub_off = reinterpret_cast<const int16_t*>(sub_off);
+  a.tile_off = reinterpret_cast<const int32_t*>(tile_off);
+  a.bias = reinterpret_cast<const uint16_t*>(bias);
+  a.y = reinterpret_cast<uint16_t*>(y);
+  a.ws = reinterpret_cast<float*>(ws);
+  a.locks = reinterpret_cast<int32_t*>(locks);
+  a.nnz = nnz;
+  a.n = n; a.m = m; a.k = k; a.sx = sx; a.sy = sy; a.tk = tk; a.n_tiles = tm * tk;
+  a.tiles_per_split = tiles_per_split; a.split_k = split_k;
+  a.vcap = ((max_tile_len + 7 + 7) / 8) * 8 + 8;
+  a.lcap = ((max_tile_len + 15 + 15) / 16) * 16 + 16;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const int nt = (n + 7) / 8;
+  if (bf16) {
+    if (nt <= 1) return launch_t<1, true>(a, tm, split_k, s);
+    if (nt <= 2) return launch_t<2, true>(a, tm, split_k, s);
+    if (nt <= 4) return launch_t<4, true>(a, tm, split_k, s);
+    return launch_t<8, true>(a, tm, split_k, s);
+  }
+  if (nt <= 1) return launch_t<1, false>(a, tm, split_k, s);
+  if (nt <= 2) return launch_t<2, false>(a, tm, split_k, s);
+  if (nt <= 4) return launch_t<4, false>(a, tm, split_k, s);
+  return launch_t<8, false>(a, tm, split_k, s);
+}
+
+}  // extern "C"
