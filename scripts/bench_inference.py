@@ -264,8 +264,9 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="launch-configuration sweep instead of the table")
     ap.add_argument("--no-csr", action="store_true")
     ap.add_argument("--cuda-waves", action="store_true", help="also sweep the CUDA kernel's split-K target")
-    ap.add_argument("--profile", action="store_true",
-                    help="only launch the kernel 5 times (28672x7168, 80%%, N=16), e.g. under ncu")
+    ap.add_argument("--profile", choices=["triton", "cuda", "csl"],
+                    help="only launch that kernel 5 times (28672x7168, N=16), e.g. under ncu")
+    ap.add_argument("--profile-sparsity", type=float, default=0.9)
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 28672x7168,4096x14336")
     ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
@@ -273,10 +274,13 @@ def main() -> None:
     torch.manual_seed(0)
     if args.profile:
         m, k = (28672, 7168) if DEV == "cuda" else (256, 128)
-        cw = si.compress(random_sparse(m, k, 0.8))
+        w = random_sparse(m, k, args.profile_sparsity)
+        cw, cl = si.compress(w), sc.compress_csl(w)
         x = torch.randn(16, k, device=DEV, dtype=torch.float16)
+        fn = {"triton": lambda: si.spmm_triton(x, cw), "cuda": lambda: si.spmm_cuda(x, cw),
+              "csl": lambda: sc.spmm_csl_cuda(x, cl)}[args.profile]
         for _ in range(5):
-            si.spmm_triton(x, cw)
+            fn()
         return
     info = env()
     info["copy_TBps"] = copy_bandwidth()

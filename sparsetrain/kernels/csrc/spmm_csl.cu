@@ -5,10 +5,10 @@
 // Work per nonzero, not per weight element (Flash-LLM's "load as sparse, compute as dense"):
 //   1. the tile's values, locations and sub-tile offsets and the X slice are copied into shared memory with
 //      16-byte cp.async, double-buffered (tile kt + 1 in flight while tile kt is computed);
-//   2. each warp owns 32 rows (8 sub-tiles) of a dense [32, 64] half tile in shared memory, zeroed once: its
-//      lanes scatter the sub-tiles' nonzeros into it (one 2-byte store each; the loops are warp-uniform);
-//   3. ldmatrix + mma.sync.m16n8k16 (fp32 accumulation) multiply it by X;
-//   4. the same lanes store zeros back at the positions they wrote, so the tile is zero for the next one.
+//   2. each warp owns 32 rows (8 sub-tiles) of a dense [32, 64] half tile in shared memory: it zeroes it
+//      (16-byte stores) and scatters the sub-tiles' nonzeros into it, 4 lanes per sub-tile (one 2-byte store
+//      per nonzero, no search for a nonzero's sub-tile);
+//   3. ldmatrix + mma.sync.m16n8k16 (fp32 accumulation) multiply it by X.
 // Split-K and the output are as in spmm_bitmap.cu (common.cuh: write_output).
 #include "common.cuh"
 
@@ -49,56 +49,82 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                : "r"(s));
 }
 
+// Per-thread constants of the X-slice copies: thread tid copies the 16-byte pieces c = tid + THREADS * i of the
+// [NT * 8, 64] slice (row c >> 3, columns 8 (c & 7) .. + 7), the same pieces for every tile.
 template <int NT>
-__device__ __forceinline__ Staged stage_tile(const Args& a, int tile, int kt, uint16_t* sv, uint8_t* sl,
-                                             int16_t* so, uint16_t* xs) {
+struct XCopies {
+  static constexpr int PER_THREAD = (NT * 8 * (BK / 8) + THREADS - 1) / THREADS;
+  int src[PER_THREAD];  // element offset in X for tile 0 (row * sx + 8q); -1: row past N or no piece
+  int col[PER_THREAD];
+  __device__ __forceinline__ XCopies(const Args& a) {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int c = threadIdx.x + THREADS * i, row = c >> 3, q = c & 7;
+      src[i] = (c < NT * 8 * (BK / 8) && row < a.n) ? row * a.sx + 8 * q : -1;
+      col[i] = 8 * q;
+    }
+  }
+};
+
+template <int NT>
+__device__ __forceinline__ Staged stage_tile(const Args& a, const XCopies<NT>& xc, int tile, int kt, uint16_t* sv,
+                                             uint8_t* sl, int16_t* so, uint16_t* xs) {
   const int tid = threadIdx.x;
   const long long s = a.tile_off[tile];
   const long long e = (tile + 1 < a.n_tiles) ? static_cast<long long>(a.tile_off[tile + 1]) : a.nnz;
   const long long bv = s & ~7LL, bl = s & ~15LL;
   const int v_chunks = static_cast<int>((e - bv + 7) >> 3);
   const int l_chunks = static_cast<int>((e - bl + 15) >> 4);
+  const int v_rem = static_cast<int>(min(a.nnz - bv, 1LL << 30));  // elements left from the window start
+  const int l_rem = static_cast<int>(min(a.nnz - bl, 1LL << 30));
+  const uint16_t* vsrc = a.values + bv;
+  const uint8_t* lsrc = a.locs + bl;
   for (int c = tid; c < v_chunks + l_chunks; c += THREADS) {
     if (c < v_chunks) {
-      const long long idx = bv + 8LL * c;
-      const long long valid = a.nnz - idx;
-      const int bytes = valid >= 8 ? 16 : static_cast<int>(valid > 0 ? 2 * valid : 0);
-      cp_async16(sv + 8 * c, bytes > 0 ? a.values + idx : a.values, bytes);
+      const int r = v_rem - 8 * c;
+      cp_async16(sv + 8 * c, vsrc + 8 * c, r >= 8 ? 16 : (r > 0 ? 2 * r : 0));
     } else {
-      const int cl = c - v_chunks;
-      const long long idx = bl + 16LL * cl;
-      const long long valid = a.nnz - idx;
-      const int bytes = valid >= 16 ? 16 : static_cast<int>(valid > 0 ? valid : 0);
-      cp_async16(sl + 16 * cl, bytes > 0 ? a.locs + idx : a.locs, bytes);
+      const int cl = c - v_chunks, r = l_rem - 16 * cl;
+      cp_async16(sl + 16 * cl, lsrc + 16 * cl, r >= 16 ? 16 : (r > 0 ? r : 0));
     }
   }
   if (tid < 4) cp_async16(so + 8 * tid, a.sub_off + static_cast<long long>(tile) * N_SUB + 8 * tid, 16);
-  constexpr int X_CHUNKS = NT * 8 * (BK / 8);
-  for (int c = tid; c < X_CHUNKS; c += THREADS) {
-    const int row = c >> 3, q = c & 7;
-    const int col = kt * BK + 8 * q;
-    int bytes = 0;
-    if (row < a.n && col < a.k) bytes = (a.k - col) >= 8 ? 16 : 2 * (a.k - col);
-    const uint16_t* src = bytes > 0 ? a.x + static_cast<long long>(row) * a.sx + col : a.x;
-    cp_async16(xs + row * XS_STRIDE + 8 * q, src, bytes);
+  const int k_left = a.k - kt * BK;
+#pragma unroll
+  for (int i = 0; i < XCopies<NT>::PER_THREAD; ++i) {
+    const int c = tid + THREADS * i;
+    if (c < NT * 8 * (BK / 8)) {
+      const int cols = k_left - xc.col[i];
+      const int bytes = xc.src[i] < 0 ? 0 : (cols >= 8 ? 16 : (cols > 0 ? 2 * cols : 0));
+      cp_async16(xs + (c >> 3) * XS_STRIDE + 8 * (c & 7), a.x + (bytes ? xc.src[i] + kt * BK : 0), bytes);
+    }
   }
   return Staged{static_cast<int>(s - bv), static_cast<int>(s - bl), static_cast<int>(e - s)};
 }
 
-// Writes `val` at every nonzero position of the warp's 8 sub-tiles (the scatter, or the zeroing after use).
-template <bool VALUES>
+// Scatters the warp's 8 sub-tiles into its zeroed dense slab: 4 lanes per sub-tile (lane >> 2), each taking
+// every 4th of the sub-tile's nonzeros, so the sub-tile of a nonzero is known without a search.
 __device__ __forceinline__ void scatter(uint16_t* as, const uint16_t* sv, const uint8_t* sl, const int16_t* so,
                                         const Staged& st, int warp, int lane) {
+  const int q = lane >> 2, sub = warp * 8 + q;
+  const int begin = so[sub];
+  const int end = sub + 1 < N_SUB ? so[sub + 1] : st.len;
+  uint16_t* origin = as + (q >> 2) * 16 * AS_STRIDE + (q & 3) * 16;
+  const uint8_t* lp = sl + st.l0;
+  const uint16_t* vp = sv + st.v0;
+#pragma unroll 4
+  for (int i = begin + (lane & 3); i < end; i += 4) {
+    const int l = lp[i];
+    origin[(l >> 4) * AS_STRIDE + (l & 15)] = vp[i];
+  }
+}
+
+// Zeroes the warp's [32, 64] slab (16-byte stores; the 8 padding halves of each row are left alone).
+__device__ __forceinline__ void zero_slab(uint16_t* as, int lane) {
 #pragma unroll
-  for (int q = 0; q < 8; ++q) {
-    const int sub = warp * 8 + q;
-    const int begin = so[sub];
-    const int end = sub + 1 < N_SUB ? so[sub + 1] : st.len;
-    uint16_t* origin = as + (q >> 2) * 16 * AS_STRIDE + (q & 3) * 16;
-    for (int i = begin + lane; i < end; i += 32) {
-      const int l = sl[st.l0 + i];
-      origin[(l >> 4) * AS_STRIDE + (l & 15)] = VALUES ? sv[st.v0 + i] : static_cast<uint16_t>(0);
-    }
+  for (int i = 0; i < 8; ++i) {
+    const int c = lane + 32 * i, row = c >> 3, q = c & 7;  // 256 pieces of 16 bytes
+    *reinterpret_cast<uint4*>(as + row * AS_STRIDE + 8 * q) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -121,8 +147,6 @@ __global__ void __launch_bounds__(THREADS) spmm_csl_mma_kernel(const Args a) {
   const int g = lane >> 2, t = lane & 3;
   uint16_t* as = as_all + warp * 32 * AS_STRIDE;
 
-  // Zero the warp's dense tile once; afterwards every tile puts its zeros back.
-  for (int i = lane; i < 32 * AS_STRIDE / 8; i += 32) reinterpret_cast<uint4*>(as)[i] = make_uint4(0, 0, 0, 0);
 
   float acc[2][NT][4];
 #pragma unroll
@@ -132,14 +156,15 @@ __global__ void __launch_bounds__(THREADS) spmm_csl_mma_kernel(const Args a) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
+  const XCopies<NT> xc(a);
   Staged cur{0, 0, 0}, next{0, 0, 0};
   if (kt_begin < kt_end)
-    cur = stage_tile<NT>(a, pid_m * a.tk + kt_begin, kt_begin, sv_of(0), sl_of(0), so_of(0), xs_of(0));
+    cur = stage_tile<NT>(a, xc, pid_m * a.tk + kt_begin, kt_begin, sv_of(0), sl_of(0), so_of(0), xs_of(0));
   cp_async_commit();
   for (int kt = kt_begin; kt < kt_end; ++kt) {
     const int st = (kt - kt_begin) & 1;
     if (kt + 1 < kt_end)
-      next = stage_tile<NT>(a, pid_m * a.tk + kt + 1, kt + 1, sv_of(st ^ 1), sl_of(st ^ 1), so_of(st ^ 1),
+      next = stage_tile<NT>(a, xc, pid_m * a.tk + kt + 1, kt + 1, sv_of(st ^ 1), sl_of(st ^ 1), so_of(st ^ 1),
                             xs_of(st ^ 1));
     cp_async_commit();
     cp_async_wait<1>();
@@ -149,7 +174,9 @@ __global__ void __launch_bounds__(THREADS) spmm_csl_mma_kernel(const Args a) {
     const int16_t* so = so_of(st);
     const uint16_t* xs = xs_of(st);
 
-    scatter<true>(as, sv, sl, so, cur, warp, lane);
+    zero_slab(as, lane);
+    __syncwarp();
+    scatter(as, sv, sl, so, cur, warp, lane);
     __syncwarp();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -168,8 +195,7 @@ __global__ void __launch_bounds__(THREADS) spmm_csl_mma_kernel(const Args a) {
         for (int nt = 0; nt < NT; ++nt) mma16816<BF16>(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
       }
     }
-    __syncwarp();
-    scatter<false>(as, sv, sl, so, cur, warp, lane);
+    __syncwarp();  // the slab's reads are done before the next tile zeroes it
     __syncthreads();  // this stage is overwritten by the copy issued in the next iteration
     cur = next;
   }
