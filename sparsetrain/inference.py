@@ -26,13 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kernels.spmm_infer import BREAK_EVEN_SPARSITY, SparseInferenceWeight, compress, spmm_infer
+from .kernels.spmm_csl import CslWeight
+from .kernels.spmm_infer import BREAK_EVEN_SPARSITY, FORMATS, SparseInferenceWeight, compress, spmm_infer
 
 FORMAT_VERSION = 1
 MODES = ("auto", "compressed", "dense")
 _INDEX = "sparse_index.json"
 _TENSORS = "sparse_model.safetensors"
-_STORED = ("bitmap", "values", "row_offsets", "tile_offsets")
+_STORED = {"bitmap": ("bitmap", "values", "row_offsets", "tile_offsets"),
+           "csl": ("values", "locs", "sub_offsets", "tile_offsets")}
 
 
 def weight_sparsity(weight: Tensor) -> float:
@@ -48,12 +50,13 @@ class SparseInferenceLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: Tensor | None = None,
-                 compressed: SparseInferenceWeight | None = None, dense_weight: Tensor | None = None):
+                 compressed: SparseInferenceWeight | CslWeight | None = None, dense_weight: Tensor | None = None):
         super().__init__()
         if (compressed is None) == (dense_weight is None):
             raise ValueError("give exactly one of compressed and dense_weight")
         self.in_features, self.out_features = in_features, out_features
         self.block_m = compressed.block_m if compressed is not None else 0
+        self.fmt = compressed.fmt if compressed is not None else "dense"
         if compressed is not None:
             if compressed.shape != (out_features, in_features):
                 raise ValueError(f"compressed weight has shape {compressed.shape}, "
@@ -69,19 +72,24 @@ class SparseInferenceLinear(nn.Module):
     def is_compressed(self) -> bool:
         return self.dense_weight is None
 
-    def compressed_weight(self) -> SparseInferenceWeight:
-        return SparseInferenceWeight(self.bitmap, self.values, self.row_offsets, self.tile_offsets,
-                                     (self.out_features, self.in_features), self.block_m)
+    def compressed_weight(self) -> SparseInferenceWeight | CslWeight:
+        shape = (self.out_features, self.in_features)
+        if self.fmt == "csl":
+            return CslWeight(self.values, self.locs, self.sub_offsets, self.tile_offsets, shape)
+        return SparseInferenceWeight(self.bitmap, self.values, self.row_offsets, self.tile_offsets, shape,
+                                     self.block_m)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, min_sparsity: float = 0.5, block_m: int = 128,
-                    mode: str = "auto") -> SparseInferenceLinear:
+                    mode: str = "auto", fmt: str = "auto") -> SparseInferenceLinear:
         """Wraps ``linear``; its weight is compressed when its sparsity >= ``min_sparsity`` and
 
         - ``mode="auto"``: also >= ``BREAK_EVEN_SPARSITY`` (measured: below it cuBLAS on the dense weight is
           faster, so the dense weight is kept);
         - ``mode="compressed"``: always (memory first: 3-5x smaller weights, slower than cuBLAS on Hopper);
         - ``mode="dense"``: never.
+
+        ``fmt``: the compressed format, "bitmap", "csl" or "auto" (the one with fewer bytes; see ``compress``).
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
@@ -89,13 +97,15 @@ class SparseInferenceLinear(nn.Module):
             raise ValueError(f"min_sparsity must be in [0, 1], got {min_sparsity}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
         weight = linear.weight.detach()
         bias = None if linear.bias is None else linear.bias.detach().clone()
         auto = max(min_sparsity, BREAK_EVEN_SPARSITY)
         threshold = {"auto": auto, "compressed": min_sparsity, "dense": 2.0}[mode]
         if weight_sparsity(weight) >= threshold:
             return cls(linear.in_features, linear.out_features, bias,
-                       compressed=compress(weight, block_m=block_m))
+                       compressed=compress(weight, block_m=block_m, fmt=fmt))
         return cls(linear.in_features, linear.out_features, bias, dense_weight=weight.clone())
 
     def forward(self, x: Tensor) -> Tensor:
@@ -119,7 +129,7 @@ class SparseInferenceLinear(nn.Module):
             return f"in_features={self.in_features}, out_features={self.out_features}, dense"
         w = self.compressed_weight()
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"sparsity={w.sparsity:.3f}, bytes={w.nbytes()}")
+                f"sparsity={w.sparsity:.3f}, format={self.fmt}, bytes={w.nbytes()}")
 
 
 @dataclass(frozen=True)
@@ -144,10 +154,11 @@ def _selected(name: str, targets: Sequence[str] | None) -> bool:
 
 
 def to_inference(model: nn.Module, min_sparsity: float = 0.5, targets: Sequence[str] | None = None,
-                 block_m: int = 128, mode: str = "auto") -> tuple[nn.Module, list[LayerSwap]]:
+                 block_m: int = 128, mode: str = "auto", fmt: str = "auto") -> tuple[nn.Module, list[LayerSwap]]:
     """Swaps (in place) every ``nn.Linear`` with weight sparsity >= ``min_sparsity`` (and whose qualified name
     matches one of the ``targets`` globs, if given) for a :class:`SparseInferenceLinear`; ``mode`` as in
-    :meth:`SparseInferenceLinear.from_linear` ("auto" keeps dense weights below the measured break-even).
+    :meth:`SparseInferenceLinear.from_linear` ("auto" keeps dense weights below the measured break-even),
+    ``fmt`` the compressed format ("auto": per layer, the one with fewer bytes).
 
     Returns the model and one :class:`LayerSwap` per swapped layer.
     Example: ``model, swaps = to_inference(model, targets=["*.mlp.*"], mode="compressed")``.
@@ -163,7 +174,7 @@ def to_inference(model: nn.Module, min_sparsity: float = 0.5, targets: Sequence[
         sparsity = weight_sparsity(module.weight)
         if sparsity < min_sparsity:
             continue
-        layer = SparseInferenceLinear.from_linear(module, min_sparsity, block_m, mode)
+        layer = SparseInferenceLinear.from_linear(module, min_sparsity, block_m, mode, fmt)
         _set_module(model, name, layer)
         stored = (layer.compressed_weight().nbytes() if layer.is_compressed
                   else layer.dense_weight.numel() * layer.dense_weight.element_size())
@@ -201,7 +212,7 @@ def save_sparse(model: nn.Module, out_dir: str, min_sparsity: float = 0.5) -> li
 
     _, swaps = to_inference(model, min_sparsity=min_sparsity, mode="compressed")
     os.makedirs(out_dir, exist_ok=True)
-    layers = {name: {"shape": [m.out_features, m.in_features], "block_m": m.block_m}
+    layers = {name: {"shape": [m.out_features, m.in_features], "block_m": m.block_m, "fmt": m.fmt}
               for name, m in model.named_modules()
               if isinstance(m, SparseInferenceLinear) and m.is_compressed}
     tensors, aliases, seen = {}, {}, {}
@@ -253,8 +264,11 @@ def load_sparse(model_or_factory: nn.Module | Callable[[], nn.Module], out_dir: 
         tensors[alias] = tensors[key]
     for name, info in index["layers"].items():
         m, k = info["shape"]
-        stored = {part: tensors[f"{name}.{part}"] for part in _STORED}
-        weight = SparseInferenceWeight.from_tensors(stored, (m, k))
+        fmt = info.get("fmt", "bitmap")  # checkpoints written before the CSL format are all bitmap
+        if fmt not in _STORED:
+            raise ValueError(f"{out_dir}: layer {name} has unknown format {fmt!r}")
+        stored = {part: tensors[f"{name}.{part}"] for part in _STORED[fmt]}
+        weight = (CslWeight if fmt == "csl" else SparseInferenceWeight).from_tensors(stored, (m, k))
         _set_module(model, name, SparseInferenceLinear(k, m, tensors.get(f"{name}.bias"), compressed=weight))
     model.load_state_dict(tensors, strict=True)
     return model.to(device) if device is not None else model

@@ -33,6 +33,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsetrain.kernels._device import num_sms
+from sparsetrain.kernels.spmm_csl import CslWeight, bitmap_bytes, compress_csl, csl_bytes, spmm_csl_cuda
+from sparsetrain.kernels.spmm_csl import cuda_usable as csl_cuda_usable
+
+FORMATS = ("bitmap", "csl", "auto")
 
 BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_K = 64  # columns per tile: one 64-bit bitmap word per tile row (fixed by the kernel)
@@ -77,6 +81,7 @@ class SparseInferenceWeight:
     tile_offsets: Tensor
     shape: tuple[int, int]
     block_m: int = 128
+    fmt = "bitmap"  # class attribute: SparseInferenceLinear and checkpoints tell the formats apart by it
 
     @property
     def nnz(self) -> int:
@@ -159,11 +164,23 @@ def _to_dense_torch(w: SparseInferenceWeight) -> Tensor:
     return dense[:m, :k].contiguous()
 
 
-def compress(weight: Tensor, block_m: int = 128) -> SparseInferenceWeight:
-    """Builds the bitmap format of a 2-D weight on its own device (exact zeros are dropped).
+def compress(weight: Tensor, block_m: int = 128, fmt: str = "bitmap") -> SparseInferenceWeight | CslWeight:
+    """Builds the bitmap format (``fmt="bitmap"``), the tiled CSL format (``"csl"``, :mod:`spmm_csl`), or
+    whichever stores fewer bytes (``"auto"``: CSL above ~82% sparsity) of a 2-D weight on its own device; exact
+    zeros are dropped.
 
     Example: ``cw = compress(linear.weight.detach()); cw.to_dense().equal(linear.weight)`` is True.
     """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "auto" and isinstance(weight, Tensor) and weight.dim() == 2:
+        nnz = int((weight != 0).sum())
+        m, k = weight.shape
+        smaller = csl_bytes(m, k, nnz, weight.element_size()) < bitmap_bytes(m, k, nnz, weight.element_size(),
+                                                                               block_m)
+        fmt = "csl" if smaller else "bitmap"
+    if fmt == "csl":
+        return compress_csl(weight)
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2:
@@ -230,9 +247,10 @@ def _workspace(device: torch.device, n_elems: int, n_locks: int) -> tuple[Tensor
     return ws, locks
 
 
-def _check(x: Tensor, weight: SparseInferenceWeight, bias: Tensor | None) -> None:
-    if not isinstance(weight, SparseInferenceWeight):
-        raise TypeError(f"weight must be a SparseInferenceWeight (see compress), got {type(weight).__name__}")
+def _check(x: Tensor, weight: SparseInferenceWeight | CslWeight, bias: Tensor | None) -> None:
+    if not isinstance(weight, (SparseInferenceWeight, CslWeight)):
+        raise TypeError(f"weight must be a SparseInferenceWeight or CslWeight (see compress), "
+                        f"got {type(weight).__name__}")
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
@@ -363,10 +381,14 @@ class _SpmmInferFn(torch.autograd.Function):
     """Forward through the compressed weight; backward gives dX (and d bias) through a transient dense W."""
 
     @staticmethod
-    def forward(ctx, x2: Tensor, bias: Tensor | None, weight: SparseInferenceWeight) -> Tensor:
+    def forward(ctx, x2: Tensor, bias: Tensor | None, weight: SparseInferenceWeight | CslWeight) -> Tensor:
         if ctx is not None:
             ctx.weight = weight
             ctx.has_bias = bias is not None
+        if isinstance(weight, CslWeight):
+            if x2.is_cuda and csl_cuda_usable(x2, weight):
+                return spmm_csl_cuda(x2, weight, bias)
+            return F.linear(x2, weight.to_dense(), bias)  # no GPU kernel here (or prefill): expand, cuBLAS
         if x2.is_cuda and cuda_kernel_usable(x2, weight):
             return spmm_cuda(x2, weight, bias)
         if _use_triton(x2) and x2.shape[0] <= MAX_TOKENS:
@@ -381,7 +403,7 @@ class _SpmmInferFn(torch.autograd.Function):
         return grad_x, grad_b, None
 
 
-def spmm_infer(x: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = None) -> Tensor:
+def spmm_infer(x: Tensor, weight: SparseInferenceWeight | CslWeight, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` for any leading dims of ``x [..., K]``, with W compressed.
 
     N = prod(leading dims) <= 64 runs the sparse kernel; larger N (and CPU without the Triton interpreter)
