@@ -173,11 +173,12 @@ def test_save_load_sparse_mixes_bitmap_and_csl_layers(tmp_path):
     _prune_(model[2], 0.5)   # the bitmap stores fewer bytes
     x = torch.randn(3, 64)
     expected = model(x)
-    save_sparse(model, str(tmp_path))
+    w0 = model[0].weight.detach().clone()
+    save_sparse(model, str(tmp_path))  # converts model's layers in place
     with open(tmp_path / inf._INDEX) as f:
         layers = json.load(f)["layers"]
     assert {name: info["fmt"] for name, info in layers.items()} == {"0": "csl", "2": "bitmap"}
     loaded = load_sparse(lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128)), str(tmp_path))
     assert loaded[0].fmt == "csl" and loaded[2].fmt == "bitmap"
     torch.testing.assert_close(loaded(x), expected, rtol=1e-5, atol=1e-5)
-    assert torch.equal(loaded[0].to_linear().weight, model[0].weight)
+    assert torch.equal(loaded[0].to_linear().weight, w0)
