@@ -196,21 +196,30 @@ def correctness() -> list[dict]:
 
 
 def cuda_waves_sweep() -> list[dict]:
-    """Blocks per multiprocessor (split-K) for the CUDA kernel, N = 16."""
+    """The CUDA kernels' launch knobs at N = 16: blocks per multiprocessor aimed at by split-K (``waves``) and
+    the register cap (``SPT_MIN_BLOCKS`` build variants)."""
     res = []
+    variants = [(), ("SPT_MIN_BLOCKS=6",), ("SPT_MIN_BLOCKS=8",)]
     for (m, k) in [(28672, 7168), (4096, 14336)]:
         for s in (0.7, 0.9):
             w = random_sparse(m, k, s)
-            cw = si.compress(w)
-            copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
             x = torch.randn(16, k, device=DEV, dtype=torch.float16)
             dense = bench(lambda x=x, w=w: F.linear(x, w))
-            for waves in (1, 2, 4, 8, 16):
-                t = bench(Rotating(copies, lambda c, x=x, wv=waves: si.spmm_cuda(x, c, waves=wv)))
-                res.append({"M": m, "K": k, "sparsity": s, "waves": waves, "ms": t, "dense_ms": dense,
-                            "speedup": dense / t})
-                print(f"  cuda {m}x{k} s={s} waves={waves}: {t * 1e3:.1f} us ({dense / t:.2f}x)", flush=True)
-            del copies
+            for kind, cw in (("bitmap", si.compress(w)), ("csl", sc.compress_csl(w))):
+                copies = [cw] + [type(cw).from_tensors({a: b.clone() for a, b in cw.tensors().items()}, cw.shape)
+                                 for _ in range(n_copies(cw.nbytes()) - 1)]
+                fn = si.spmm_cuda if kind == "bitmap" else sc.spmm_csl_cuda
+                ref = si.spmm_reference(x, si.compress(w))
+                for defines in variants:
+                    err = rel_err(fn(x, cw, defines=defines), ref)
+                    for waves in (4, 8, 16):
+                        t = bench(Rotating(copies, lambda c, x=x, wv=waves, d=defines, f=fn: f(x, c, waves=wv,
+                                                                                             defines=d)))
+                        res.append({"kernel": kind, "M": m, "K": k, "sparsity": s, "defines": list(defines),
+                                    "waves": waves, "ms": t, "dense_ms": dense, "speedup": dense / t, "rel_err": err})
+                        print(f"  {kind} {m}x{k} s={s} {defines or 'default'} waves={waves}: {t * 1e3:.1f} us "
+                              f"({dense / t:.2f}x) err {err:.1e}", flush=True)
+                del copies
     return res
 
 

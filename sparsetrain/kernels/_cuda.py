@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-_LIBS: dict[tuple[str, int], ctypes.CDLL | None] = {}
+_LIBS: dict[tuple, ctypes.CDLL | None] = {}
 
 
 def nvcc_path() -> str | None:
@@ -46,12 +46,14 @@ def _arch(device: torch.device) -> str:
     return f"{major}{minor}"
 
 
-def build(name: str, arch: str, nvcc: str) -> Path:
-    """Compiles ``csrc/<name>.cu`` for ``sm_<arch>`` into the cache (if not there yet); returns the .so path."""
+def build(name: str, arch: str, nvcc: str, defines: tuple[str, ...] = ()) -> Path:
+    """Compiles ``csrc/<name>.cu`` for ``sm_<arch>`` into the cache (if not there yet); returns the .so path.
+    ``defines`` (e.g. ``("SPT_MIN_BLOCKS=8",)``) become ``-D`` flags and part of the cache key."""
     src = CSRC / f"{name}.cu"
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.cuh")))
-    key = hashlib.sha256(src.read_bytes() + headers + arch.encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src.read_bytes() + headers + arch.encode() + version.encode()
+                         + repr(sorted(defines)).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-sm{arch}-{key}.so"
     if out.is_file():
         return out
@@ -59,7 +61,7 @@ def build(name: str, arch: str, nvcc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
-           f"-gencode=arch=compute_{arch},code=sm_{arch}", "-o", tmp, str(src)]
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", *(f"-D{d}" for d in defines), "-o", tmp, str(src)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
@@ -71,13 +73,13 @@ def build(name: str, arch: str, nvcc: str) -> Path:
     return out
 
 
-def load(name: str, device: torch.device) -> ctypes.CDLL | None:
+def load(name: str, device: torch.device, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled ``csrc/<name>.cu`` for ``device`` (built on first call), or None where unavailable."""
     if device.type != "cuda" or not enabled():
         return None
     idx = device.index if device.index is not None else torch.cuda.current_device()
     arch = _arch(torch.device("cuda", idx))
-    key = (name, int(arch))
+    key = (name, int(arch), tuple(sorted(defines)))
     if key not in _LIBS:
         lib = None
         nvcc = nvcc_path()
@@ -86,7 +88,7 @@ def load(name: str, device: torch.device) -> ctypes.CDLL | None:
                           stacklevel=3)
         else:
             try:
-                lib = ctypes.CDLL(str(build(name, arch, nvcc)))
+                lib = ctypes.CDLL(str(build(name, arch, nvcc, defines)))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 warnings.warn(f"sparsetrain: could not build the CUDA kernel '{name}' ({e!s:.500}); "
                               "using the Triton path", stacklevel=3)

@@ -167,14 +167,14 @@ def _max_tile_len(w: CslWeight) -> int:
 
 
 def spmm_csl_cuda(x2: Tensor, weight: CslWeight, bias: Tensor | None = None, split_k: int | None = None,
-                  waves: int | None = None) -> Tensor:
+                  waves: int | None = None, defines: tuple[str, ...] = ()) -> Tensor:
     """``x2 [N, K] @ Wᵀ (+ bias)`` through ``csrc/spmm_csl.cu``; ``1 <= N <= 64``; returns ``[N, M]``."""
     import torch.nn.functional as F
 
     from . import _cuda
     from .spmm_infer import _workspace
 
-    lib = _cuda.load("spmm_csl", x2.device)
+    lib = _cuda.load("spmm_csl", x2.device, defines)
     if lib is None:
         raise RuntimeError("the CUDA csl kernel is unavailable here (no nvcc or no GPU)")
     n, k = x2.shape

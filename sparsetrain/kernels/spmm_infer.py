@@ -323,15 +323,16 @@ def cuda_kernel_usable(x2: Tensor, weight: SparseInferenceWeight) -> bool:
 
 
 def spmm_cuda(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = None,
-              split_k: int | None = None, waves: int | None = None) -> Tensor:
+              split_k: int | None = None, waves: int | None = None, defines: tuple[str, ...] = ()) -> Tensor:
     """The CUDA kernel (``csrc/spmm_bitmap.cu``) on ``x2 [N, K]``, ``1 <= N <= 64``; returns ``[N, M]``.
 
     Shared-memory staging of each tile's packed values + decode straight into ``mma.sync`` fragments (the
-    source's header says why this beats the Triton kernel). ``split_k``/``waves`` exist for the benchmark.
+    source's header says why this beats the Triton kernel). ``split_k``/``waves``/``defines`` (build-time
+    variants) exist for the benchmark.
     """
     from . import _cuda
 
-    lib = _cuda.load("spmm_bitmap", x2.device)
+    lib = _cuda.load("spmm_bitmap", x2.device, defines)
     if lib is None:
         raise RuntimeError("the CUDA spmm kernel is unavailable here (see the warning above); use spmm_triton")
     n, k = x2.shape

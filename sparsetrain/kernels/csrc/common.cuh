@@ -7,6 +7,12 @@
 
 #include <type_traits>
 
+// Blocks per multiprocessor the compiler must fit (register cap); a build-time knob for experiments
+// (_cuda.load(..., defines=("SPT_MIN_BLOCKS=8",))).
+#ifndef SPT_MIN_BLOCKS
+#define SPT_MIN_BLOCKS 1
+#endif
+
 namespace sparsetrain {
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
