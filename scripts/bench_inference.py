@@ -199,7 +199,7 @@ def cuda_waves_sweep() -> list[dict]:
     """The CUDA kernels' launch knobs at N = 16: blocks per multiprocessor aimed at by split-K (``waves``) and
     the register cap (``SPT_MIN_BLOCKS`` build variants)."""
     res = []
-    variants = [(), ("SPT_MIN_BLOCKS=6",), ("SPT_MIN_BLOCKS=8",)]
+    variants = [(), ("SPT_MIN_BLOCKS_SMALL_N=1",), ("SPT_MIN_BLOCKS_SMALL_N=6",)]
     for (m, k) in [(28672, 7168), (4096, 14336)]:
         for s in (0.7, 0.9):
             w = random_sparse(m, k, s)

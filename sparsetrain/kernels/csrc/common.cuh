@@ -7,10 +7,15 @@
 
 #include <type_traits>
 
-// Blocks per multiprocessor the compiler must fit (register cap); a build-time knob for experiments
-// (_cuda.load(..., defines=("SPT_MIN_BLOCKS=8",))).
+// Blocks per multiprocessor the compiler must fit (a register cap), for N <= 16 tokens and for more; build-time
+// knobs for experiments (_cuda.load(..., defines=("SPT_MIN_BLOCKS=8",))). Measured on an H200 (N = 16,
+// bench_inference.py --cuda-waves, 2026-11-21): a cap of 8 blocks took 3-13% off the N <= 16 kernels;
+// for larger N it makes ptxas spill, so those keep no cap.
 #ifndef SPT_MIN_BLOCKS
 #define SPT_MIN_BLOCKS 1
+#endif
+#ifndef SPT_MIN_BLOCKS_SMALL_N
+#define SPT_MIN_BLOCKS_SMALL_N 8
 #endif
 
 namespace sparsetrain {

@@ -100,7 +100,7 @@ __device__ __forceinline__ int stage_tile(const Args& a, const XCopies<NT>& xc, 
 }
 
 template <int NT, bool BF16>
-__global__ void __launch_bounds__(THREADS, SPT_MIN_BLOCKS) spmm_bitmap_mma_kernel(const Args a) {
+__global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SPT_MIN_BLOCKS) spmm_bitmap_mma_kernel(const Args a) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Per stage: [value window (vcap halves)] [X slice (NT*8 x XS_STRIDE halves)] [bitmap 1 KB] [row offsets]

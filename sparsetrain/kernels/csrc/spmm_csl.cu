@@ -129,7 +129,7 @@ __device__ __forceinline__ void zero_slab(uint16_t* as, int lane) {
 }
 
 template <int NT, bool BF16>
-__global__ void __launch_bounds__(THREADS, SPT_MIN_BLOCKS) spmm_csl_mma_kernel(const Args a) {
+__global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SPT_MIN_BLOCKS) spmm_csl_mma_kernel(const Args a) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int x_halves = NT * 8 * XS_STRIDE;
