@@ -87,7 +87,8 @@ def test_kernel_matches_reference(m, k, n, sparsity, dtype, block_m, split_k, wi
     else:
         torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * float(ref.abs().max()))
     # the split-K workspace and counters are left at zero for the next launch
-    for ws, locks in si._WORKSPACE.values():
+    from sparsetrain.kernels import _launch
+    for ws, locks in _launch._WORKSPACE.values():
         assert not ws.any() and not locks.any()
 
 

@@ -60,7 +60,7 @@ def build(name: str, arch: str, nvcc: str, defines: tuple[str, ...] = ()) -> Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
+    cmd = [nvcc, "-O3", "-std=c++20", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
            f"-gencode=arch=compute_{arch},code=sm_{arch}", *(f"-D{d}" for d in defines), "-o", tmp, str(src)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)

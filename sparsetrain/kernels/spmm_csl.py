@@ -22,16 +22,55 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels._device import num_sms
+from sparsetrain.kernels._launch import MAX_TOKENS, max_tile_len, prepare_cuda
 
 TILE_M, TILE_K, SUB = 128, 64, 16
 N_SUB = (TILE_M // SUB) * (TILE_K // SUB)  # 32 sub-tiles per tile
-MAX_TOKENS = 64
 CUDA_WAVES = 8  # blocks per multiprocessor the split-K aims for
 
 
+class CompressedWeight:
+    """What the compressed inference weights share: a ``shape``, ``values`` and named ``tensors()`` that
+    ``from_tensors`` turns back into the weight."""
+
+    shape: tuple[int, int]
+    values: Tensor
+
+    @property
+    def nnz(self) -> int:
+        return self.values.numel()
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of exact zeros in the ``M x K`` weight."""
+        m, k = self.shape
+        return 1.0 - self.nnz / max(m * k, 1)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def tensors(self) -> dict[str, Tensor]:  # pragma: no cover - every format defines it
+        raise NotImplementedError
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, Tensor], shape: tuple[int, int]):  # pragma: no cover
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes of all stored tensors."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device: torch.device | str):
+        return type(self).from_tensors({name: t.to(device) for name, t in self.tensors().items()}, self.shape)
+
+
 @dataclass
-class CslWeight:
+class CslWeight(CompressedWeight):
     """A weight ``[M, K]`` in tiled CSL with byte locations (see the module docstring).
 
     Attributes:
@@ -50,23 +89,6 @@ class CslWeight:
     block_m: int = TILE_M
     fmt: str = "csl"
 
-    @property
-    def nnz(self) -> int:
-        return self.values.numel()
-
-    @property
-    def sparsity(self) -> float:
-        m, k = self.shape
-        return 1.0 - self.nnz / max(m * k, 1)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.values.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
     def tensors(self) -> dict[str, Tensor]:
         return {"values": self.values, "locs": self.locs, "sub_offsets": self.sub_offsets,
                 "tile_offsets": self.tile_offsets}
@@ -75,12 +97,6 @@ class CslWeight:
     def from_tensors(cls, tensors: dict[str, Tensor], shape: tuple[int, int]) -> CslWeight:
         return cls(tensors["values"], tensors["locs"], tensors["sub_offsets"], tensors["tile_offsets"],
                    (int(shape[0]), int(shape[1])))
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def to(self, device: torch.device | str) -> CslWeight:
-        return CslWeight.from_tensors({k: t.to(device) for k, t in self.tensors().items()}, self.shape)
 
     def to_dense(self) -> Tensor:
         """The exact ``[M, K]`` weight (plain torch)."""
@@ -150,63 +166,40 @@ def bitmap_bytes(m: int, k: int, nnz: int, elem: int = 2, block_m: int = 128) ->
 
 
 def cuda_usable(x2: Tensor, weight: CslWeight) -> bool:
-    if not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or not 1 <= x2.shape[0] <= MAX_TOKENS:
+    """Whether :func:`spmm_csl_cuda` takes this call (CUDA, fp16/bf16, 1..64 tokens, aligned tensors, built)."""
+    if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or not 1 <= x2.shape[0] <= MAX_TOKENS
+            or any(t.data_ptr() % 16 for t in weight.tensors().values())):
         return False
     from . import _cuda
     return _cuda.load("spmm_csl", x2.device) is not None
 
 
-def _max_tile_len(w: CslWeight) -> int:
-    cached = getattr(w, "_max_tile_len", None)
-    if cached is None:
-        flat = w.tile_offsets.reshape(-1).long()
-        ends = torch.cat([flat[1:], torch.tensor([w.nnz], device=w.device)])
-        cached = int((ends - flat).max()) if flat.numel() else 0
-        w._max_tile_len = cached
-    return cached
-
-
 def spmm_csl_cuda(x2: Tensor, weight: CslWeight, bias: Tensor | None = None, split_k: int | None = None,
                   waves: int | None = None, defines: tuple[str, ...] = ()) -> Tensor:
     """``x2 [N, K] @ Wᵀ (+ bias)`` through ``csrc/spmm_csl.cu``; ``1 <= N <= 64``; returns ``[N, M]``."""
-    import torch.nn.functional as F
-
     from . import _cuda
-    from .spmm_infer import _workspace
 
     lib = _cuda.load("spmm_csl", x2.device, defines)
     if lib is None:
         raise RuntimeError("the CUDA csl kernel is unavailable here (no nvcc or no GPU)")
-    n, k = x2.shape
-    m = weight.shape[0]
-    if not 1 <= n <= MAX_TOKENS:
-        raise ValueError(f"x must have 1..{MAX_TOKENS} rows, got {n}")
     if x2.dtype != weight.dtype:
         raise TypeError(f"x dtype {x2.dtype} differs from the weight dtype {weight.dtype}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        kp = -(-k // 8) * 8
-        x2 = F.pad(x2, (0, kp - k)) if kp != k else x2.clone(memory_format=torch.contiguous_format)
     if any(t.data_ptr() % 16 for t in weight.tensors().values()):
         raise ValueError("CslWeight tensors must be 16-byte aligned (use tensors made by compress_csl or .to())")
+    m, k = weight.shape
     tm, tk = weight.tile_offsets.shape
-    if split_k is None:
-        split_k = max(1, min(tk, math.ceil((waves or CUDA_WAVES) * num_sms(x2.device) / tm)))
-    tiles_per_split = math.ceil(tk / split_k)
-    split_k = math.ceil(tk / tiles_per_split)
-    y = torch.empty(n, m, dtype=x2.dtype, device=x2.device)
-    ws, locks = _workspace(x2.device, MAX_TOKENS * m, tm) if split_k > 1 else (y, y)
-    if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
-        bias = bias.to(x2.dtype).contiguous()
+    run = prepare_cuda(x2, m, tm, tk, bias, split_k, waves or CUDA_WAVES)
     p = ctypes.c_longlong
     rc = lib.sparsetrain_spmm_csl(
-        p(x2.data_ptr()), p(weight.values.data_ptr()), p(weight.locs.data_ptr()),
+        p(run.x2.data_ptr()), p(weight.values.data_ptr()), p(weight.locs.data_ptr()),
         p(weight.sub_offsets.data_ptr()), p(weight.tile_offsets.data_ptr()),
-        p(bias.data_ptr() if bias is not None else 0), p(y.data_ptr()), p(ws.data_ptr()), p(locks.data_ptr()),
-        p(weight.nnz), n, m, k, x2.stride(0), y.stride(0), tm, tk, tiles_per_split, split_k,
-        _max_tile_len(weight), int(x2.dtype == torch.bfloat16), p(torch.cuda.current_stream(x2.device).cuda_stream))
+        p(run.bias.data_ptr() if run.bias is not None else 0), p(run.y.data_ptr()), p(run.ws.data_ptr()),
+        p(run.locks.data_ptr()), p(weight.nnz), x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0), tm, tk,
+        run.tiles_per_split, run.split_k, max_tile_len(weight, weight.nnz), int(x2.dtype == torch.bfloat16),
+        p(run.stream))
     if rc != 0:
         raise RuntimeError(f"spmm_csl CUDA launch failed with code {rc}")
-    return y
+    return run.y
 
 
 def spmm_csl_reference(x: Tensor, weight: CslWeight, bias: Tensor | None = None) -> Tensor:

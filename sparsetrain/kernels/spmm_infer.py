@@ -32,15 +32,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsetrain.kernels._device import num_sms
-from sparsetrain.kernels.spmm_csl import CslWeight, bitmap_bytes, compress_csl, csl_bytes, spmm_csl_cuda
+from sparsetrain.kernels._launch import MAX_TOKENS, max_tile_len, prepare_cuda, split_k_for, workspace
+from sparsetrain.kernels.spmm_csl import (
+    CompressedWeight,
+    CslWeight,
+    bitmap_bytes,
+    compress_csl,
+    csl_bytes,
+    spmm_csl_cuda,
+)
 from sparsetrain.kernels.spmm_csl import cuda_usable as csl_cuda_usable
 
 FORMATS = ("bitmap", "csl", "auto")
 
 BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_K = 64  # columns per tile: one 64-bit bitmap word per tile row (fixed by the kernel)
-MAX_TOKENS = 64       # largest N the sparse kernel takes; larger N expands W and runs a dense GEMM
 
 # Below this sparsity SparseInferenceLinear(mode="auto") keeps a dense weight and calls F.linear, because the
 # compressed kernel is slower than cuBLAS there. Measured on an H200 (scripts/bench_inference.py, 2026-11-21,
@@ -54,14 +60,15 @@ BREAK_EVEN_SPARSITY = 1.0
 # H200: with 128-row tiles and 4 warps, 8 programs per multiprocessor (split-K) beat 2 by 9% on 28672x7168 and
 # by 25% on 4096x14336 (N = 16, 80%); 8 warps and num_stages 2 were no better.
 CONFIG = {"num_warps": 4, "num_stages": 1, "waves": 8}
-# Blocks per multiprocessor the CUDA kernel's split-K aims for (csrc/spmm_bitmap.cu; not yet tuned).
+# Blocks per multiprocessor the CUDA kernel's split-K aims for (csrc/spmm_bitmap.cu); 4 / 8 / 16 measured within
+# 3-10% of each other on an H200 (bench_inference.py --cuda-waves), 8 the best on the smaller shape.
 CUDA_WAVES = 8
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
-class SparseInferenceWeight:
+class SparseInferenceWeight(CompressedWeight):
     """A weight ``[M, K]`` as tile bitmaps + packed nonzeros (see the module docstring).
 
     Attributes:
@@ -88,20 +95,6 @@ class SparseInferenceWeight:
         """Stored nonzeros (the values minus one zero slot per tile row)."""
         return self.values.numel() - self.row_offsets.numel()
 
-    @property
-    def sparsity(self) -> float:
-        """Fraction of exact zeros in the ``M x K`` weight."""
-        m, k = self.shape
-        return 1.0 - self.nnz / max(m * k, 1)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.values.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
     def tensors(self) -> dict[str, Tensor]:
         """The stored tensors by name (what a checkpoint saves); see :meth:`from_tensors`."""
         return {"bitmap": self.bitmap, "values": self.values, "row_offsets": self.row_offsets,
@@ -120,11 +113,7 @@ class SparseInferenceWeight:
         For fp16/bf16 and M, K multiples of the tile: ``M*K/8 + 2*nnz + 2*M*TK (zero slots) + 2*M*TK
         (row offsets) + 4*TM*TK``, with TK = K / 64 and TM = M / block_m.
         """
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def to(self, device: torch.device | str) -> SparseInferenceWeight:
-        moved = {name: t.to(device) for name, t in self.tensors().items()}
-        return SparseInferenceWeight.from_tensors(moved, self.shape)
+        return super().nbytes()
 
     def to_dense(self, use_kernel: bool | None = None) -> Tensor:
         """The ``[M, K]`` dense weight (exact: zeros where the bitmap is 0).
@@ -228,25 +217,6 @@ def _use_triton(t: Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_WORKSPACE: dict[tuple, tuple[Tensor, Tensor]] = {}
-
-
-def _workspace(device: torch.device, n_elems: int, n_locks: int) -> tuple[Tensor, Tensor]:
-    """Zeroed fp32 split-K workspace + arrival counters, one pair per (device, stream); kernels leave them 0.
-
-    Calls on one stream are ordered, so sharing is safe; concurrent calls on one stream cannot happen.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    ws, locks = _WORKSPACE.get(key, (None, None))
-    if ws is None or ws.numel() < n_elems or locks.numel() < n_locks:
-        ws = torch.zeros(max(n_elems, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
-        n_locks = max(n_locks, 0 if locks is None else locks.numel())
-        locks = torch.zeros(n_locks, dtype=torch.int32, device=device)
-        _WORKSPACE[key] = (ws, locks)
-    return ws, locks
-
-
 def _check(x: Tensor, weight: SparseInferenceWeight | CslWeight, bias: Tensor | None) -> None:
     if not isinstance(weight, (SparseInferenceWeight, CslWeight)):
         raise TypeError(f"weight must be a SparseInferenceWeight or CslWeight (see compress), "
@@ -278,14 +248,9 @@ def spmm_triton(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None =
     if not 1 <= n <= MAX_TOKENS:
         raise ValueError(f"x must have 1..{MAX_TOKENS} rows for the sparse kernel, got {n}")
     tm, tk = weight.tile_offsets.shape
-    if split_k is None:
-        split_k = max(1, min(tk, math.ceil(cfg["waves"] * num_sms(x2.device) / tm)))
-    if not 1 <= split_k <= tk:
-        raise ValueError(f"split_k must be in 1..{tk}, got {split_k}")
-    tiles_per_split = math.ceil(tk / split_k)
-    split_k = math.ceil(tk / tiles_per_split)  # no empty splits
+    split_k, tiles_per_split = split_k_for(tm, tk, split_k, cfg["waves"], x2.device)
     y = torch.empty(n, m, dtype=x2.dtype, device=x2.device)
-    ws, locks = _workspace(x2.device, MAX_TOKENS * m, tm) if split_k > 1 else (y, y)
+    ws, locks = workspace(x2.device, MAX_TOKENS * m, tm) if split_k > 1 else (y, y)
     block_n = max(16, _next_pow2(n))
     spmm_bitmap_kernel[(tm, split_k)](
         x2, weight.bitmap.view(torch.int32), weight.row_offsets, weight.values,
@@ -298,25 +263,18 @@ def spmm_triton(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None =
     return y
 
 
-_ALIGN_FIXED: dict[int, SparseInferenceWeight] = {}
-
-
-def _max_tile_len(weight: SparseInferenceWeight) -> int:
-    """Longest tile's value count (sizes the CUDA kernel's shared-memory buffer); computed once per weight."""
-    cached = getattr(weight, "_max_tile_len", None)
-    if cached is None:
-        ends = torch.cat([weight.tile_offsets.reshape(-1)[1:].long(),
-                          torch.tensor([weight.values.numel()], device=weight.device)])
-        cached = int((ends - weight.tile_offsets.reshape(-1).long()).max())
-        weight._max_tile_len = cached
-    return cached
+def _aligned(weight) -> bool:
+    """The CUDA kernels copy the weight's tensors with 16-byte loads: every tensor must start 16-byte aligned
+    (fresh allocations do; views into a larger buffer may not)."""
+    return all(t.data_ptr() % 16 == 0 for t in weight.tensors().values())
 
 
 def cuda_kernel_usable(x2: Tensor, weight: SparseInferenceWeight) -> bool:
     """Whether :func:`spmm_cuda` takes this call: CUDA, fp16/bf16, 128-row tiles, 1..64 tokens, the library
     built (``SPARSETRAIN_SPMM_BACKEND=triton`` forces the Triton kernel)."""
     if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or weight.block_m != 128
-            or not 1 <= x2.shape[0] <= MAX_TOKENS or os.environ.get("SPARSETRAIN_SPMM_BACKEND") == "triton"):
+            or not 1 <= x2.shape[0] <= MAX_TOKENS or os.environ.get("SPARSETRAIN_SPMM_BACKEND") == "triton"
+            or not _aligned(weight)):
         return False
     from . import _cuda
     return _cuda.load("spmm_bitmap", x2.device) is not None
@@ -335,43 +293,24 @@ def spmm_cuda(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = N
     lib = _cuda.load("spmm_bitmap", x2.device, defines)
     if lib is None:
         raise RuntimeError("the CUDA spmm kernel is unavailable here (see the warning above); use spmm_triton")
-    n, k = x2.shape
-    m = weight.shape[0]
-    if not 1 <= n <= MAX_TOKENS:
-        raise ValueError(f"x must have 1..{MAX_TOKENS} rows for the sparse kernel, got {n}")
     if weight.block_m != 128:
         raise ValueError(f"the CUDA kernel takes 128-row tiles, got block_m={weight.block_m}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        kp = -(-k // 8) * 8
-        x2 = F.pad(x2, (0, kp - k)) if kp != k else x2.clone(memory_format=torch.contiguous_format)
-    tensors = (weight.values, weight.bitmap, weight.row_offsets)
-    if any(t.data_ptr() % 16 for t in tensors):  # e.g. views into a larger buffer: copy once, aligned
-        fixed = _ALIGN_FIXED.get(id(weight))
-        if fixed is None:
-            fixed = SparseInferenceWeight.from_tensors({key: t.clone() for key, t in weight.tensors().items()},
-                                                       weight.shape)
-            _ALIGN_FIXED[id(weight)] = fixed
-        weight = fixed
+    if not _aligned(weight):
+        raise ValueError("the weight's tensors must be 16-byte aligned (tensors made by compress or .to() are)")
+    m, k = weight.shape
     tm, tk = weight.tile_offsets.shape
-    if split_k is None:
-        split_k = max(1, min(tk, math.ceil((waves or CUDA_WAVES) * num_sms(x2.device) / tm)))
-    tiles_per_split = math.ceil(tk / split_k)
-    split_k = math.ceil(tk / tiles_per_split)
-    y = torch.empty(n, m, dtype=x2.dtype, device=x2.device)
-    ws, locks = _workspace(x2.device, MAX_TOKENS * m, tm) if split_k > 1 else (y, y)
-    if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
-        bias = bias.to(x2.dtype).contiguous()
+    run = prepare_cuda(x2, m, tm, tk, bias, split_k, waves or CUDA_WAVES)
+    p = ctypes.c_longlong
     rc = lib.sparsetrain_spmm_bitmap(
-        ctypes.c_longlong(x2.data_ptr()), ctypes.c_longlong(weight.bitmap.data_ptr()),
-        ctypes.c_longlong(weight.row_offsets.data_ptr()), ctypes.c_longlong(weight.values.data_ptr()),
-        ctypes.c_longlong(weight.tile_offsets.data_ptr()), ctypes.c_longlong(bias.data_ptr() if bias is not None else 0),
-        ctypes.c_longlong(y.data_ptr()), ctypes.c_longlong(ws.data_ptr()), ctypes.c_longlong(locks.data_ptr()),
-        ctypes.c_longlong(weight.values.numel()), n, m, k, x2.stride(0), y.stride(0), tm, tk, tiles_per_split,
-        split_k, _max_tile_len(weight), int(x2.dtype == torch.bfloat16),
-        ctypes.c_longlong(torch.cuda.current_stream(x2.device).cuda_stream))
+        p(run.x2.data_ptr()), p(weight.bitmap.data_ptr()), p(weight.row_offsets.data_ptr()),
+        p(weight.values.data_ptr()), p(weight.tile_offsets.data_ptr()),
+        p(run.bias.data_ptr() if run.bias is not None else 0), p(run.y.data_ptr()), p(run.ws.data_ptr()),
+        p(run.locks.data_ptr()), p(weight.values.numel()), x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0),
+        tm, tk, run.tiles_per_split, run.split_k, max_tile_len(weight, weight.values.numel()),
+        int(x2.dtype == torch.bfloat16), p(run.stream))
     if rc != 0:
         raise RuntimeError(f"spmm_bitmap CUDA launch failed with code {rc}")
-    return y
+    return run.y
 
 
 def _next_pow2(n: int) -> int:

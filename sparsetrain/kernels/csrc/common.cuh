@@ -117,4 +117,32 @@ __device__ __forceinline__ void write_output(float (&acc)[2][NT][4], int row_bas
   if (threadIdx.x == 0) locks[pid_m] = 0;
 }
 
+// Launches `kern<NT, BF16>` (NT = token tiles of 8: 1, 2, 4 or 8 for N <= 8, 16, 32, 64) with `smem` bytes of
+// dynamic shared memory, raising the block's shared-memory limit when it exceeds 48 KB. Returns a cudaError_t.
+template <int NT, bool BF16, typename Args>
+int launch_one(void (*kern)(Args), const Args& a, int smem, dim3 grid, int threads, cudaStream_t stream) {
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  kern<<<grid, threads, smem, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// Calls launch<NT, BF16>() for the smallest NT in {1, 2, 4, 8} with 8 * NT >= n.
+template <typename Launcher>
+int dispatch_tokens(int n, bool bf16, Launcher&& launch) {
+  const int nt = (n + 7) / 8;
+  if (bf16) {
+    if (nt <= 1) return launch.template operator()<1, true>();
+    if (nt <= 2) return launch.template operator()<2, true>();
+    if (nt <= 4) return launch.template operator()<4, true>();
+    return launch.template operator()<8, true>();
+  }
+  if (nt <= 1) return launch.template operator()<1, false>();
+  if (nt <= 2) return launch.template operator()<2, false>();
+  if (nt <= 4) return launch.template operator()<4, false>();
+  return launch.template operator()<8, false>();
+}
+
 }  // namespace sparsetrain

@@ -205,14 +205,7 @@ __global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SP
 template <int NT, bool BF16>
 int launch_t(const Args& a, int grid_m, int grid_s, cudaStream_t stream) {
   const int stage_bytes = 2 * (a.vcap + NT * 8 * XS_STRIDE) + BM * 8 + BM * 2;
-  const int smem = 2 * stage_bytes;
-  auto kern = spmm_bitmap_mma_kernel<NT, BF16>;
-  if (smem > 48 * 1024) {
-    cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
-  kern<<<dim3(grid_m, grid_s), THREADS, smem, stream>>>(a);
-  return static_cast<int>(cudaGetLastError());
+  return launch_one<NT, BF16>(spmm_bitmap_mma_kernel<NT, BF16>, a, 2 * stage_bytes, dim3(grid_m, grid_s), THREADS, stream);
 }
 
 }  // namespace
@@ -240,17 +233,7 @@ int sparsetrain_spmm_bitmap(long long x, long long bitmap, long long row_off, lo
   a.tiles_per_split = tiles_per_split; a.split_k = split_k;
   a.vcap = ((max_tile_len + 7 + 7) / 8) * 8 + 8;  // misaligned start + round up, in 16-byte chunks
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  const int nt = (n + 7) / 8;
-  if (bf16) {
-    if (nt <= 1) return launch_t<1, true>(a, tm, split_k, s);
-    if (nt <= 2) return launch_t<2, true>(a, tm, split_k, s);
-    if (nt <= 4) return launch_t<4, true>(a, tm, split_k, s);
-    return launch_t<8, true>(a, tm, split_k, s);
-  }
-  if (nt <= 1) return launch_t<1, false>(a, tm, split_k, s);
-  if (nt <= 2) return launch_t<2, false>(a, tm, split_k, s);
-  if (nt <= 4) return launch_t<4, false>(a, tm, split_k, s);
-  return launch_t<8, false>(a, tm, split_k, s);
+  return dispatch_tokens(n, bf16, [&]<int NT, bool BF16>() { return launch_t<NT, BF16>(a, tm, split_k, s); });
 }
 
 }  // extern "C"

@@ -1,0 +1,85 @@
+"""Launch plumbing the skinny-SpMM kernels share (Triton and CUDA): split-K sizing, the fp32 split-K workspace,
+X alignment for the CUDA kernels, and per-weight cached tile lengths."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sparsetrain.kernels._device import num_sms
+
+MAX_TOKENS = 64  # largest N the skinny kernels take
+_WORKSPACE: dict[tuple, tuple[Tensor, Tensor]] = {}
+
+
+def workspace(device: torch.device, n_elems: int, n_locks: int) -> tuple[Tensor, Tensor]:
+    """Zeroed fp32 split-K workspace + arrival counters, one pair per (device, stream); kernels leave them 0.
+
+    Calls on one stream are ordered, so sharing is safe; concurrent calls on one stream cannot happen.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    ws, locks = _WORKSPACE.get(key, (None, None))
+    if ws is None or ws.numel() < n_elems or locks.numel() < n_locks:
+        ws = torch.zeros(max(n_elems, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
+        n_locks = max(n_locks, 0 if locks is None else locks.numel())
+        locks = torch.zeros(n_locks, dtype=torch.int32, device=device)
+        _WORKSPACE[key] = (ws, locks)
+    return ws, locks
+
+
+def split_k_for(tm: int, tk: int, split_k: int | None, waves: float, device: torch.device) -> tuple[int, int]:
+    """(split_k, tiles_per_split): enough programs for ``waves`` per multiprocessor unless ``split_k`` is given;
+    no empty splits."""
+    if split_k is None:
+        split_k = max(1, min(tk, math.ceil(waves * num_sms(device) / tm)))
+    if not 1 <= split_k <= tk:
+        raise ValueError(f"split_k must be in 1..{tk}, got {split_k}")
+    tiles_per_split = math.ceil(tk / split_k)
+    return math.ceil(tk / tiles_per_split), tiles_per_split
+
+
+class CudaLaunch(NamedTuple):
+    """What a CUDA skinny-SpMM call needs besides the weight."""
+
+    x2: Tensor
+    y: Tensor
+    ws: Tensor
+    locks: Tensor
+    bias: Tensor | None
+    split_k: int
+    tiles_per_split: int
+    stream: int
+
+
+def prepare_cuda(x2: Tensor, m: int, tm: int, tk: int, bias: Tensor | None, split_k: int | None,
+                 waves: float) -> CudaLaunch:
+    """Checks N, makes X 16-byte aligned with a row stride divisible by 8 (a padded copy if needed), sizes
+    split-K, allocates Y and gets the workspace; casts the bias to X's dtype."""
+    n, k = x2.shape
+    if not 1 <= n <= MAX_TOKENS:
+        raise ValueError(f"x must have 1..{MAX_TOKENS} rows for the sparse kernel, got {n}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        kp = -(-k // 8) * 8
+        x2 = F.pad(x2, (0, kp - k)) if kp != k else x2.clone(memory_format=torch.contiguous_format)
+    split_k, tiles_per_split = split_k_for(tm, tk, split_k, waves, x2.device)
+    y = torch.empty(n, m, dtype=x2.dtype, device=x2.device)
+    ws, locks = workspace(x2.device, MAX_TOKENS * m, tm) if split_k > 1 else (y, y)
+    if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
+        bias = bias.to(x2.dtype).contiguous()
+    return CudaLaunch(x2, y, ws, locks, bias, split_k, tiles_per_split,
+                      torch.cuda.current_stream(x2.device).cuda_stream)
+
+
+def max_tile_len(weight, n_values: int) -> int:
+    """Longest tile's value count (sizes the CUDA kernels' shared-memory buffers), cached on the weight."""
+    cached = getattr(weight, "_max_tile_len", None)
+    if cached is None:
+        flat = weight.tile_offsets.reshape(-1).long()
+        ends = torch.cat([flat[1:], torch.tensor([n_values], device=flat.device)])
+        cached = int((ends - flat).max()) if flat.numel() else 0
+        weight._max_tile_len = cached
+    return cached
