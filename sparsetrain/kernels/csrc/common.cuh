@@ -117,6 +117,34 @@ __device__ __forceinline__ void write_output(float (&acc)[2][NT][4], int row_bas
   if (threadIdx.x == 0) locks[pid_m] = 0;
 }
 
+// The arguments every skinny-SpMM kernel takes besides its weight format's tensors.
+struct SkinnyArgs {
+  const uint16_t* x;        // [N, K] (16-byte aligned, row stride sx % 8 == 0)
+  const int32_t* tile_off;  // [TM, TK]: each tile's first value
+  const uint16_t* bias;     // [M] or null
+  uint16_t* y;              // [N, M] with row stride sy
+  float* ws;                // [N * M] fp32 zeros (split-K only)
+  int32_t* locks;           // [TM] zeros (split-K only)
+  long long n_values;       // stored values (the last tile ends there)
+  int n, m, k, sx, sy, tk, n_tiles, tiles_per_split, split_k;
+};
+
+inline SkinnyArgs skinny_args(long long x, long long tile_off, long long bias, long long y, long long ws,
+                              long long locks, long long n_values, int n, int m, int k, int sx, int sy, int tm,
+                              int tk, int tiles_per_split, int split_k) {
+  SkinnyArgs a;
+  a.x = reinterpret_cast<const uint16_t*>(x);
+  a.tile_off = reinterpret_cast<const int32_t*>(tile_off);
+  a.bias = reinterpret_cast<const uint16_t*>(bias);
+  a.y = reinterpret_cast<uint16_t*>(y);
+  a.ws = reinterpret_cast<float*>(ws);
+  a.locks = reinterpret_cast<int32_t*>(locks);
+  a.n_values = n_values;
+  a.n = n; a.m = m; a.k = k; a.sx = sx; a.sy = sy; a.tk = tk; a.n_tiles = tm * tk;
+  a.tiles_per_split = tiles_per_split; a.split_k = split_k;
+  return a;
+}
+
 // Launches `kern<NT, BF16>` (NT = token tiles of 8: 1, 2, 4 or 8 for N <= 8, 16, 32, 64) with `smem` bytes of
 // dynamic shared memory, raising the block's shared-memory limit when it exceeds 48 KB. Returns a cudaError_t.
 template <int NT, bool BF16, typename Args>

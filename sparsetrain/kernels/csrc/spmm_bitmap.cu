@@ -30,18 +30,10 @@ constexpr int THREADS = 128;  // 4 warps x 32 rows each (two m16 fragments)
 // loads (rows g = 0..3 or 4..7, column groups t = 0..3) hit 32 distinct banks.
 constexpr int XS_STRIDE = BK + 4;
 
-struct Args {
-  const uint16_t* x;        // [N, K] (16-byte aligned, row stride sx % 8 == 0)
+struct Args : SkinnyArgs {
   const uint32_t* bitmap;   // [TM, TK, 128, 2] (low word = columns 0..31)
   const int16_t* row_off;   // [TM, TK, 128]
   const uint16_t* values;   // packed values (16-byte aligned)
-  const int32_t* tile_off;  // [TM, TK]
-  const uint16_t* bias;     // [M] or null
-  uint16_t* y;              // [N, M] with row stride sy
-  float* ws;                // [N * M] fp32 zeros (split-K only)
-  int32_t* locks;           // [TM] zeros (split-K only)
-  long long n_values;       // values.numel()
-  int n, m, k, sx, sy, tk, n_tiles, tiles_per_split, split_k;
   int vcap;                 // halves per shared-memory value buffer (>= longest tile + 8)
 };
 
@@ -219,18 +211,11 @@ int sparsetrain_spmm_bitmap(long long x, long long bitmap, long long row_off, lo
                             int tiles_per_split, int split_k, int max_tile_len, int bf16, long long stream) {
   if (n < 1 || n > 64 || (sx & 7) || (x & 15) || (values & 15) || (bitmap & 15) || (row_off & 15)) return -1;
   Args a;
-  a.x = reinterpret_cast<const uint16_t*>(x);
+  static_cast<SkinnyArgs&>(a) = skinny_args(x, tile_off, bias, y, ws, locks, n_values, n, m, k, sx, sy, tm, tk,
+                                            tiles_per_split, split_k);
   a.bitmap = reinterpret_cast<const uint32_t*>(bitmap);
   a.row_off = reinterpret_cast<const int16_t*>(row_off);
   a.values = reinterpret_cast<const uint16_t*>(values);
-  a.tile_off = reinterpret_cast<const int32_t*>(tile_off);
-  a.bias = reinterpret_cast<const uint16_t*>(bias);
-  a.y = reinterpret_cast<uint16_t*>(y);
-  a.ws = reinterpret_cast<float*>(ws);
-  a.locks = reinterpret_cast<int32_t*>(locks);
-  a.n_values = n_values;
-  a.n = n; a.m = m; a.k = k; a.sx = sx; a.sy = sy; a.tk = tk; a.n_tiles = tm * tk;
-  a.tiles_per_split = tiles_per_split; a.split_k = split_k;
   a.vcap = ((max_tile_len + 7 + 7) / 8) * 8 + 8;  // misaligned start + round up, in 16-byte chunks
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   return dispatch_tokens(n, bf16, [&]<int NT, bool BF16>() { return launch_t<NT, BF16>(a, tm, split_k, s); });

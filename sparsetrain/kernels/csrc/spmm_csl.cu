@@ -22,18 +22,10 @@ constexpr int XS_STRIDE = BK + 8;  // halves: 144-byte rows, conflict-free 4-byt
 constexpr int AS_STRIDE = BK + 8;  // halves: 144-byte rows, conflict-free ldmatrix
 constexpr int N_SUB = 32;
 
-struct Args {
-  const uint16_t* x;
+struct Args : SkinnyArgs {    // n_values = nonzeros
   const uint16_t* values;
   const uint8_t* locs;
   const int16_t* sub_off;   // [TM, TK, 32]
-  const int32_t* tile_off;  // [TM, TK]
-  const uint16_t* bias;
-  uint16_t* y;
-  float* ws;
-  int32_t* locks;
-  long long nnz;
-  int n, m, k, sx, sy, tk, n_tiles, tiles_per_split, split_k;
   int vcap;  // halves per value window (multiple of 8)
   int lcap;  // bytes per location window (multiple of 16)
 };
@@ -71,12 +63,12 @@ __device__ __forceinline__ Staged stage_tile(const Args& a, const XCopies<NT>& x
                                              uint8_t* sl, int16_t* so, uint16_t* xs) {
   const int tid = threadIdx.x;
   const long long s = a.tile_off[tile];
-  const long long e = (tile + 1 < a.n_tiles) ? static_cast<long long>(a.tile_off[tile + 1]) : a.nnz;
+  const long long e = (tile + 1 < a.n_tiles) ? static_cast<long long>(a.tile_off[tile + 1]) : a.n_values;
   const long long bv = s & ~7LL, bl = s & ~15LL;
   const int v_chunks = static_cast<int>((e - bv + 7) >> 3);
   const int l_chunks = static_cast<int>((e - bl + 15) >> 4);
-  const int v_rem = static_cast<int>(min(a.nnz - bv, 1LL << 30));  // elements left from the window start
-  const int l_rem = static_cast<int>(min(a.nnz - bl, 1LL << 30));
+  const int v_rem = static_cast<int>(min(a.n_values - bv, 1LL << 30));  // elements left from the window start
+  const int l_rem = static_cast<int>(min(a.n_values - bl, 1LL << 30));
   const uint16_t* vsrc = a.values + bv;
   const uint8_t* lsrc = a.locs + bl;
   for (int c = tid; c < v_chunks + l_chunks; c += THREADS) {
@@ -220,18 +212,11 @@ int sparsetrain_spmm_csl(long long x, long long values, long long locs, long lon
                          int bf16, long long stream) {
   if (n < 1 || n > 64 || (sx & 7) || (x & 15) || (values & 15) || (locs & 15) || (sub_off & 15)) return -1;
   Args a;
-  a.x = reinterpret_cast<const uint16_t*>(x);
+  static_cast<SkinnyArgs&>(a) = skinny_args(x, tile_off, bias, y, ws, locks, nnz, n, m, k, sx, sy, tm, tk,
+                                            tiles_per_split, split_k);
   a.values = reinterpret_cast<const uint16_t*>(values);
   a.locs = reinterpret_cast<const uint8_t*>(locs);
   a.sub_off = reinterpret_cast<const int16_t*>(sub_off);
-  a.tile_off = reinterpret_cast<const int32_t*>(tile_off);
-  a.bias = reinterpret_cast<const uint16_t*>(bias);
-  a.y = reinterpret_cast<uint16_t*>(y);
-  a.ws = reinterpret_cast<float*>(ws);
-  a.locks = reinterpret_cast<int32_t*>(locks);
-  a.nnz = nnz;
-  a.n = n; a.m = m; a.k = k; a.sx = sx; a.sy = sy; a.tk = tk; a.n_tiles = tm * tk;
-  a.tiles_per_split = tiles_per_split; a.split_k = split_k;
   a.vcap = ((max_tile_len + 7 + 7) / 8) * 8 + 8;
   a.lcap = ((max_tile_len + 15 + 15) / 16) * 16 + 16;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
