@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kernels._launch import max_tile_len
 from .kernels.spmm_csl import CslWeight
 from .kernels.spmm_infer import BREAK_EVEN_SPARSITY, FORMATS, SparseInferenceWeight, compress, spmm_infer
 
@@ -64,6 +65,8 @@ class SparseInferenceLinear(nn.Module):
             for name, t in compressed.tensors().items():
                 self.register_buffer(name, t)
             self.dense_weight = None
+            # The kernels size shared memory by the longest tile: computed once here (one sync), not per call.
+            self._max_tile_len = max_tile_len(compressed)
         else:
             self.register_buffer("dense_weight", dense_weight)
         self.register_buffer("bias", bias)
@@ -75,9 +78,12 @@ class SparseInferenceLinear(nn.Module):
     def compressed_weight(self) -> SparseInferenceWeight | CslWeight:
         shape = (self.out_features, self.in_features)
         if self.fmt == "csl":
-            return CslWeight(self.values, self.locs, self.sub_offsets, self.tile_offsets, shape)
-        return SparseInferenceWeight(self.bitmap, self.values, self.row_offsets, self.tile_offsets, shape,
-                                     self.block_m)
+            w = CslWeight(self.values, self.locs, self.sub_offsets, self.tile_offsets, shape)
+        else:
+            w = SparseInferenceWeight(self.bitmap, self.values, self.row_offsets, self.tile_offsets, shape,
+                                      self.block_m)
+        w._max_tile_len = self._max_tile_len
+        return w
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, min_sparsity: float = 0.5, block_m: int = 128,

@@ -182,3 +182,20 @@ def test_save_load_sparse_mixes_bitmap_and_csl_layers(tmp_path):
     assert loaded[0].fmt == "csl" and loaded[2].fmt == "bitmap"
     torch.testing.assert_close(loaded(x), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(loaded[0].to_linear().weight, w0)
+
+
+def test_layer_forward_does_not_recompute_tile_lengths(monkeypatch):
+    """The CUDA kernels need the longest tile's length; a layer computes it once, not per call (a per-call
+    device sync would also break CUDA-graph capture)."""
+    from sparsetrain.kernels import _launch
+
+    lin = nn.Linear(64, 128)
+    _prune_(lin, 0.9)
+    layer = SparseInferenceLinear.from_linear(lin, mode="compressed")
+    expected = layer._max_tile_len
+    calls = []
+    monkeypatch.setattr(_launch, "max_tile_len", lambda w: calls.append(1) or 0)
+    w = layer.compressed_weight()
+    assert w._max_tile_len == expected > 0 and not calls
+    tiles = w.tile_offsets.reshape(-1).tolist() + [w.values.numel()]
+    assert expected == max(b - a for a, b in zip(tiles, tiles[1:]))

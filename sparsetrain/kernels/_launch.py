@@ -74,12 +74,18 @@ def prepare_cuda(x2: Tensor, m: int, tm: int, tk: int, bias: Tensor | None, spli
                       torch.cuda.current_stream(x2.device).cuda_stream)
 
 
-def max_tile_len(weight, n_values: int) -> int:
-    """Longest tile's value count (sizes the CUDA kernels' shared-memory buffers), cached on the weight."""
+def max_tile_len(weight) -> int:
+    """Longest tile's stored-value count (sizes the CUDA kernels' shared-memory buffers). Computed once per weight
+    object (one device sync) and cached on it; :class:`~sparsetrain.inference.SparseInferenceLinear` keeps it
+    across the weight views it makes each call, so a forward never syncs (and CUDA-graph capture works)."""
     cached = getattr(weight, "_max_tile_len", None)
     if cached is None:
         flat = weight.tile_offsets.reshape(-1).long()
-        ends = torch.cat([flat[1:], torch.tensor([n_values], device=flat.device)])
-        cached = int((ends - flat).max()) if flat.numel() else 0
+        if flat.numel() == 0:
+            cached = 0
+        else:
+            last = weight.values.numel() - int(flat[-1])
+            inner = int((flat[1:] - flat[:-1]).max()) if flat.numel() > 1 else 0
+            cached = max(last, inner)
         weight._max_tile_len = cached
     return cached

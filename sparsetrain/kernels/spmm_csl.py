@@ -195,7 +195,7 @@ def spmm_csl_cuda(x2: Tensor, weight: CslWeight, bias: Tensor | None = None, spl
         p(weight.sub_offsets.data_ptr()), p(weight.tile_offsets.data_ptr()),
         p(run.bias.data_ptr() if run.bias is not None else 0), p(run.y.data_ptr()), p(run.ws.data_ptr()),
         p(run.locks.data_ptr()), p(weight.nnz), x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0), tm, tk,
-        run.tiles_per_split, run.split_k, max_tile_len(weight, weight.nnz), int(x2.dtype == torch.bfloat16),
+        run.tiles_per_split, run.split_k, max_tile_len(weight), int(x2.dtype == torch.bfloat16),
         p(run.stream))
     if rc != 0:
         raise RuntimeError(f"spmm_csl CUDA launch failed with code {rc}")

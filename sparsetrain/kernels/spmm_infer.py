@@ -306,7 +306,7 @@ def spmm_cuda(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = N
         p(weight.values.data_ptr()), p(weight.tile_offsets.data_ptr()),
         p(run.bias.data_ptr() if run.bias is not None else 0), p(run.y.data_ptr()), p(run.ws.data_ptr()),
         p(run.locks.data_ptr()), p(weight.values.numel()), x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0),
-        tm, tk, run.tiles_per_split, run.split_k, max_tile_len(weight, weight.values.numel()),
+        tm, tk, run.tiles_per_split, run.split_k, max_tile_len(weight),
         int(x2.dtype == torch.bfloat16), p(run.stream))
     if rc != 0:
         raise RuntimeError(f"spmm_bitmap CUDA launch failed with code {rc}")
