@@ -73,9 +73,32 @@ def build(name: str, arch: str, nvcc: str, defines: tuple[str, ...] = ()) -> Pat
     return out
 
 
+# Argument types of the exported launchers: set once per library, so calls pass plain Python ints.
+_LL, _I = ctypes.c_longlong, ctypes.c_int
+SIGNATURES = {
+    "sparsetrain_spmm_bitmap": [_LL] * 10 + [_I] * 11 + [_LL],
+    "sparsetrain_spmm_csl": [_LL] * 10 + [_I] * 11 + [_LL],
+}
+_FAST: dict[tuple, ctypes.CDLL | None] = {}  # (name, device index, defines) -> library: the per-call lookup
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    for fn, argtypes in SIGNATURES.items():
+        if hasattr(lib, fn):
+            getattr(lib, fn).argtypes = argtypes
+            getattr(lib, fn).restype = ctypes.c_int
+    return lib
+
+
 def load(name: str, device: torch.device, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled ``csrc/<name>.cu`` for ``device`` (built on first call), or None where unavailable."""
-    if device.type != "cuda" or not enabled():
+    """The compiled ``csrc/<name>.cu`` for ``device`` (built on first call), or None where unavailable.
+    Called on every kernel launch: after the first call it is one dictionary lookup."""
+    if device.type != "cuda":
+        return None
+    fast_key = (name, device.index, defines)
+    if fast_key in _FAST:
+        return _FAST[fast_key]
+    if not enabled():
         return None
     idx = device.index if device.index is not None else torch.cuda.current_device()
     arch = _arch(torch.device("cuda", idx))
@@ -88,9 +111,11 @@ def load(name: str, device: torch.device, defines: tuple[str, ...] = ()) -> ctyp
                           stacklevel=3)
         else:
             try:
-                lib = ctypes.CDLL(str(build(name, arch, nvcc, defines)))
+                lib = _declare(ctypes.CDLL(str(build(name, arch, nvcc, defines))))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 warnings.warn(f"sparsetrain: could not build the CUDA kernel '{name}' ({e!s:.500}); "
                               "using the Triton path", stacklevel=3)
         _LIBS[key] = lib
+    if device.index is not None:  # "cuda" without an index follows the current device: not cached
+        _FAST[fast_key] = _LIBS[key]
     return _LIBS[key]

@@ -15,13 +15,14 @@ MAX_TOKENS = 64  # largest N the skinny kernels take
 _WORKSPACE: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
-def workspace(device: torch.device, n_elems: int, n_locks: int) -> tuple[Tensor, Tensor]:
+def workspace(device: torch.device, n_elems: int, n_locks: int, stream: int | None = None) -> tuple[Tensor, Tensor]:
     """Zeroed fp32 split-K workspace + arrival counters, one pair per (device, stream); kernels leave them 0.
 
     Calls on one stream are ordered, so sharing is safe; concurrent calls on one stream cannot happen.
     """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    if stream is None:
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
     ws, locks = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < n_elems or locks.numel() < n_locks:
         ws = torch.zeros(max(n_elems, 0 if ws is None else ws.numel()), dtype=torch.float32, device=device)
@@ -67,11 +68,11 @@ def prepare_cuda(x2: Tensor, m: int, tm: int, tk: int, bias: Tensor | None, spli
         x2 = F.pad(x2, (0, kp - k)) if kp != k else x2.clone(memory_format=torch.contiguous_format)
     split_k, tiles_per_split = split_k_for(tm, tk, split_k, waves, x2.device)
     y = torch.empty(n, m, dtype=x2.dtype, device=x2.device)
-    ws, locks = workspace(x2.device, MAX_TOKENS * m, tm) if split_k > 1 else (y, y)
+    stream = torch.cuda.current_stream(x2.device).cuda_stream
+    ws, locks = workspace(x2.device, MAX_TOKENS * m, tm, stream) if split_k > 1 else (y, y)
     if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
         bias = bias.to(x2.dtype).contiguous()
-    return CudaLaunch(x2, y, ws, locks, bias, split_k, tiles_per_split,
-                      torch.cuda.current_stream(x2.device).cuda_stream)
+    return CudaLaunch(x2, y, ws, locks, bias, split_k, tiles_per_split, stream)
 
 
 def max_tile_len(weight) -> int:

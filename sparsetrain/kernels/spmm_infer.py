@@ -23,7 +23,6 @@ Example::
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 from dataclasses import dataclass
@@ -300,14 +299,13 @@ def spmm_cuda(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = N
     m, k = weight.shape
     tm, tk = weight.tile_offsets.shape
     run = prepare_cuda(x2, m, tm, tk, bias, split_k, waves or CUDA_WAVES)
-    p = ctypes.c_longlong
     rc = lib.sparsetrain_spmm_bitmap(
-        p(run.x2.data_ptr()), p(weight.bitmap.data_ptr()), p(weight.row_offsets.data_ptr()),
-        p(weight.values.data_ptr()), p(weight.tile_offsets.data_ptr()),
-        p(run.bias.data_ptr() if run.bias is not None else 0), p(run.y.data_ptr()), p(run.ws.data_ptr()),
-        p(run.locks.data_ptr()), p(weight.values.numel()), x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0),
+        run.x2.data_ptr(), weight.bitmap.data_ptr(), weight.row_offsets.data_ptr(),
+        weight.values.data_ptr(), weight.tile_offsets.data_ptr(),
+        run.bias.data_ptr() if run.bias is not None else 0, run.y.data_ptr(), run.ws.data_ptr(),
+        run.locks.data_ptr(), weight.values.numel(), x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0),
         tm, tk, run.tiles_per_split, run.split_k, max_tile_len(weight),
-        int(x2.dtype == torch.bfloat16), p(run.stream))
+        int(x2.dtype == torch.bfloat16), run.stream)
     if rc != 0:
         raise RuntimeError(f"spmm_bitmap CUDA launch failed with code {rc}")
     return run.y
