@@ -75,14 +75,29 @@ class SparseInferenceLinear(nn.Module):
     def is_compressed(self) -> bool:
         return self.dense_weight is None
 
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        if self.is_compressed:  # new tile offsets may have a different longest tile
+            self.__dict__.pop("_cw", None)
+            self._max_tile_len = None
+            self._max_tile_len = max_tile_len(self.compressed_weight())
+
     def compressed_weight(self) -> SparseInferenceWeight | CslWeight:
+        """The compressed weight as a kernel argument; a view of this module's buffers, rebuilt only when
+        they are replaced (``.to()``, ``.half()``, ``load_state_dict``)."""
+        bufs = tuple(getattr(self, name) for name in _STORED[self.fmt])
+        cached = self.__dict__.get("_cw")
+        if cached is not None and all(a is b for a, b in zip(cached[0], bufs)):
+            return cached[1]
         shape = (self.out_features, self.in_features)
         if self.fmt == "csl":
             w = CslWeight(self.values, self.locs, self.sub_offsets, self.tile_offsets, shape)
         else:
             w = SparseInferenceWeight(self.bitmap, self.values, self.row_offsets, self.tile_offsets, shape,
                                       self.block_m)
-        w._max_tile_len = self._max_tile_len
+        if self._max_tile_len is not None:
+            w._max_tile_len = self._max_tile_len
+        self.__dict__["_cw"] = (bufs, w)
         return w
 
     @classmethod

@@ -199,3 +199,21 @@ def test_layer_forward_does_not_recompute_tile_lengths(monkeypatch):
     assert w._max_tile_len == expected > 0 and not calls
     tiles = w.tile_offsets.reshape(-1).tolist() + [w.values.numel()]
     assert expected == max(b - a for a, b in zip(tiles, tiles[1:]))
+
+
+def test_load_state_dict_refreshes_the_longest_tile():
+    a, b = nn.Linear(64, 256), nn.Linear(64, 256)  # two 128-row tiles
+    _prune_(a, 0.9)
+    _prune_(b, 0.9)
+    with torch.no_grad():  # b: all its nonzeros in the first tile rows, same count as a
+        flat = b.weight.flatten()
+        nz = int((a.weight != 0).sum())
+        flat.zero_()
+        flat[:nz] = 1.0
+    la = SparseInferenceLinear.from_linear(a, mode="compressed", fmt="csl")
+    lb = SparseInferenceLinear.from_linear(b, mode="compressed", fmt="csl")
+    assert la._max_tile_len != lb._max_tile_len
+    la.load_state_dict(lb.state_dict())
+    assert la._max_tile_len == lb._max_tile_len
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(la(x), lb(x))
