@@ -491,6 +491,87 @@ class BlockSparseLinearFn(torch.autograd.Function):
         return dx, dv, db, None, None
 
 
+# ---- torch.compile: the kernels as torch.library custom ops ---------------------------------------------
+# Under torch.compile the kernel path goes through these opaque ops (dynamo cannot trace the Triton launches and
+# their plan caches). The metadata travels as its six index tensors; the BlockSparseMeta (with its derived
+# entry lists and launch plans) is looked up by those tensors' identities, so it is built once per topology.
+_OP_METAS: dict[tuple, BlockSparseMeta] = {}
+
+
+def _meta_for(tensors: tuple[Tensor, ...], out_features: int, in_features: int, block: int) -> BlockSparseMeta:
+    key = tuple(t.data_ptr() for t in tensors) + (out_features, in_features, block)
+    meta = _OP_METAS.get(key)
+    if meta is None or any(getattr(meta, n) is not t for n, t in zip(BlockSparseMeta.TENSORS, tensors)):
+        if len(_OP_METAS) > 4096:  # freed topologies: drop them all (rebuilt on next use)
+            _OP_METAS.clear()
+        meta = BlockSparseMeta(out_features, in_features, block, block, int(tensors[1].numel()),
+                               *tensors)
+        _OP_METAS[key] = meta
+    return meta
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_linear", mutates_args=())
+def _bs_linear_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Tensor, col_idx: Tensor,
+                  row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
+                  in_features: int, block: int) -> Tensor:
+    meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
+    return _dds(x, values, meta, bias, forward=True)
+
+
+@_bs_linear_op.register_fake
+def _(x, values, bias, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block):
+    return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_linear_backward", mutates_args=())
+def _bs_linear_backward_op(dy: Tensor, x: Tensor, values: Tensor, row_ptr: Tensor, col_idx: Tensor,
+                           row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
+                           in_features: int, block: int, need_x: bool, need_v: bool,
+                           need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dvalues, dbias float32); a gradient not asked for comes back as an empty tensor."""
+    meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx = _dds(dy, values, meta, None, forward=False) if need_x else dy.new_empty(0)
+    dv, db = values.new_empty(0), dy.new_empty(0, dtype=torch.float32)
+    if need_v:
+        dv, db32 = _sampled_grad(x, dy, meta, with_bias=need_b, out_dtype=values.dtype)
+        dv = dv.to(values.dtype)
+        if need_b:
+            db = db32
+    if need_b and db.numel() == 0:
+        db = dy.sum(0, dtype=torch.float32)
+    return dx, dv, db
+
+
+@_bs_linear_backward_op.register_fake
+def _(dy, x, values, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block,
+      need_x, need_v, need_b):
+    dx = dy.new_empty(dy.shape[0], in_features) if need_x else dy.new_empty(0)
+    dv = values.new_empty(values.shape) if need_v else values.new_empty(0)
+    db = dy.new_empty(out_features, dtype=torch.float32) if need_b else dy.new_empty(0, dtype=torch.float32)
+    return dx, dv, db
+
+
+def _bs_setup_context(ctx, inputs, output):
+    x, values, bias, *tensors = inputs[:9]
+    ctx.save_for_backward(x, values, *tensors)
+    ctx.ints = inputs[9:]
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _bs_backward(ctx, dy):
+    x, values, *tensors = ctx.saved_tensors
+    need_x, need_v, need_b = ctx.needs_input_grad[:3]
+    dx, dv, db = torch.ops.sparsetrain.block_sparse_linear_backward(
+        dy, x, values, *tensors, *ctx.ints, need_x, need_v, need_b)
+    return (dx if need_x else None, dv if need_v else None, db.to(ctx.bias_dtype) if need_b else None,
+            None, None, None, None, None, None, None, None, None)
+
+
+_bs_linear_op.register_autograd(_bs_backward, setup_context=_bs_setup_context)
+
+
 class _DenseGradHook(torch.autograd.Function):
     """Identity on the dense weight whose backward hands the incoming gradient to a hook (reference path)."""
 
@@ -567,7 +648,12 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
     if uses_kernels(x2d, meta):
         if x2d.stride(-1) != 1:
             x2d = x2d.contiguous()
-        y = BlockSparseLinearFn.apply(x2d, values.contiguous(), bias, meta, dense_grad_hook)
+        if torch.compiler.is_compiling() and dense_grad_hook is None:  # opaque op for dynamo / inductor
+            y = torch.ops.sparsetrain.block_sparse_linear(
+                x2d, values.contiguous(), bias, *(getattr(meta, n) for n in BlockSparseMeta.TENSORS),
+                meta.out_features, meta.in_features, meta.block)
+        else:
+            y = BlockSparseLinearFn.apply(x2d, values.contiguous(), bias, meta, dense_grad_hook)
     else:
         w = values_to_dense(values, meta).to(x.dtype)
         bias = bias.to(x.dtype) if bias is not None else None
