@@ -201,9 +201,15 @@ def _compiled_matches_eager(device: str, dtype: torch.dtype, tol: float) -> None
     torch._dynamo.reset()
 
 
-def test_torch_compile_runs_the_kernels_as_a_custom_op():
+@pytest.mark.parametrize("split", [None, 2])
+def test_torch_compile_runs_the_kernels_as_a_custom_op(split, monkeypatch):
     """torch.compile traces the block format without graph breaks: the Triton kernels (interpreted here)
-    are the custom op sparsetrain::block_sparse_linear with a registered backward; results equal eager."""
+    are the custom op sparsetrain::block_sparse_linear with a registered backward; results equal eager.
+    split=2 forces the split token reduction, whose weight and bias gradients share one buffer."""
+    from sparsetrain.kernels import blocksparse
+
+    if split is not None:
+        monkeypatch.setattr(blocksparse, "_choose_split", lambda *args, **kwargs: split)
     _compiled_matches_eager("cpu", torch.float32, 1e-5)
 
 

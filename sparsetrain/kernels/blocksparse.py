@@ -537,8 +537,8 @@ def _bs_linear_backward_op(dy: Tensor, x: Tensor, values: Tensor, row_ptr: Tenso
     if need_v:
         dv, db32 = _sampled_grad(x, dy, meta, with_bias=need_b, out_dtype=values.dtype)
         dv = dv.to(values.dtype)
-        if need_b:
-            db = db32
+        if need_b:  # a split reduction returns dv and db as views of one buffer: outputs may not alias
+            db = db32.clone() if dv.untyped_storage().data_ptr() == db32.untyped_storage().data_ptr() else db32
     if need_b and db.numel() == 0:
         db = dy.sum(0, dtype=torch.float32)
     return dx, dv, db
