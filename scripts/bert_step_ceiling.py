@@ -110,6 +110,8 @@ def main():
         ms, peak = step_ms(model, a.batch, a.seq)
         if a.compile:
             rows.setdefault("_compile_s", {})[variant] = time.perf_counter() - t0
+            from sparsetrain.kernels.blocksparse import OP_META_BUILDS
+            print(f"  block-sparse metadata objects built by the custom ops so far: {OP_META_BUILDS[0]}")
         rows[variant] = {"step_ms": ms, "peak_gb": peak}
         print(f"{variant}: {ms:.2f} ms/step, peak {peak:.2f} GB", flush=True)
         del model

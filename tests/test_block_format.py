@@ -192,12 +192,18 @@ def _compiled_matches_eager(device: str, dtype: torch.dtype, tol: float) -> None
     explain = torch._dynamo.explain(layer)(x)
     assert explain.graph_break_count == 0
     assert "sparsetrain.block_sparse_linear" in explain.graphs[0].code  # the kernels, as an opaque op
+    from sparsetrain.kernels import blocksparse
+
     compiled = torch.compile(layer)
+    builds = blocksparse.OP_META_BUILDS[0]
     y = compiled(x)
     y.square().sum().backward()
     torch.testing.assert_close(y, y_eager, rtol=tol, atol=tol)
     for got, want in zip([x.grad, layer.values.grad, layer.bias.grad], eager):
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    for _ in range(2):
+        compiled(x).sum().backward()
+    assert blocksparse.OP_META_BUILDS[0] - builds <= 1  # one metadata object per topology, not per call
     torch._dynamo.reset()
 
 
@@ -211,6 +217,30 @@ def test_torch_compile_runs_the_kernels_as_a_custom_op(split, monkeypatch):
     if split is not None:
         monkeypatch.setattr(blocksparse, "_choose_split", lambda *args, **kwargs: split)
     _compiled_matches_eager("cpu", torch.float32, 1e-5)
+
+
+def test_torch_compile_follows_a_topology_change_without_recompiling():
+    import torch._dynamo
+
+    from sparsetrain.kernels import blocksparse
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block")
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    compiled = torch.compile(layer)
+    x = torch.randn(20, 64)
+    compiled(x).sum().backward()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    flat = layer.mask.clone().flatten()
+    flat[flat.nonzero()[0]] = False  # move one block: same count, new topology
+    flat[(~flat).nonzero()[-1]] = True
+    layer.set_mask(flat.view(layer.mask.shape), opt)
+    builds = blocksparse.OP_META_BUILDS[0]
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-5)
+    assert blocksparse.OP_META_BUILDS[0] == builds + 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
 
 
 @pytest.mark.gpu

@@ -494,19 +494,22 @@ class BlockSparseLinearFn(torch.autograd.Function):
 # ---- torch.compile: the kernels as torch.library custom ops ---------------------------------------------
 # Under torch.compile the kernel path goes through these opaque ops (dynamo cannot trace the Triton launches and
 # their plan caches). The metadata travels as its six index tensors; the BlockSparseMeta (with its derived
-# entry lists and launch plans) is looked up by those tensors' identities, so it is built once per topology.
+# entry lists and launch plans) is looked up by their data pointers, so it is built once per topology. The
+# registry's metas hold their tensors, so no other tensor can be allocated at those addresses while an entry
+# lives: a pointer match is the same topology (the block format never rewrites index tensors in place).
 _OP_METAS: dict[tuple, BlockSparseMeta] = {}
+OP_META_BUILDS = [0]  # how many metas the ops built (tests and benchmarks read it)
 
 
 def _meta_for(tensors: tuple[Tensor, ...], out_features: int, in_features: int, block: int) -> BlockSparseMeta:
     key = tuple(t.data_ptr() for t in tensors) + (out_features, in_features, block)
     meta = _OP_METAS.get(key)
-    if meta is None or any(getattr(meta, n) is not t for n, t in zip(BlockSparseMeta.TENSORS, tensors)):
-        if len(_OP_METAS) > 4096:  # freed topologies: drop them all (rebuilt on next use)
+    if meta is None:
+        if len(_OP_METAS) >= 4096:  # mostly replaced topologies: drop them all (live ones are rebuilt once)
             _OP_METAS.clear()
-        meta = BlockSparseMeta(out_features, in_features, block, block, int(tensors[1].numel()),
-                               *tensors)
+        meta = BlockSparseMeta(out_features, in_features, block, block, int(tensors[1].numel()), *tensors)
         _OP_METAS[key] = meta
+        OP_META_BUILDS[0] += 1
     return meta
 
 
