@@ -68,6 +68,23 @@ def step_ms(model, batch, seq, steps=30, warm=10):
     return times[len(times) // 2], torch.cuda.max_memory_allocated() / 2**30
 
 
+def profile_steps(model, batch, seq, label, steps=3):
+    from torch.profiler import ProfilerActivity, profile
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, 30522, (batch, seq), device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    print(f"== {label}: top GPU kernels over {steps} steps")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
 def linears_ms(model, tokens):
     import triton.testing
     total = 0.0
@@ -94,6 +111,7 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile each model (the block kernels run as the sparsetrain custom op)")
     ap.add_argument("--variants", default="dense,free_linears,block_b16,block_b64,dense_again")
+    ap.add_argument("--profile", action="store_true", help="print each variant's top GPU kernels (3 steps)")
     a = ap.parse_args()
     rows = {}
     for variant in a.variants.split(","):
@@ -108,6 +126,8 @@ def main():
             t0 = time.perf_counter()
             model = torch.compile(model)
         ms, peak = step_ms(model, a.batch, a.seq)
+        if a.profile:
+            profile_steps(model, a.batch, a.seq, variant)
         if a.compile:
             rows.setdefault("_compile_s", {})[variant] = time.perf_counter() - t0
             from sparsetrain.kernels.blocksparse import OP_META_BUILDS
