@@ -110,6 +110,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile each model (the block kernels run as the sparsetrain custom op)")
+    ap.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--variants", default="dense,free_linears,block_b16,block_b64,dense_again")
     ap.add_argument("--profile", action="store_true", help="print each variant's top GPU kernels (3 steps)")
     a = ap.parse_args()
@@ -124,7 +125,7 @@ def main():
             sparsify(model, density=0.1, block=int(variant[-2:]), format="block")
         if a.compile:
             t0 = time.perf_counter()
-            model = torch.compile(model)
+            model = torch.compile(model, mode=a.compile_mode)
         ms, peak = step_ms(model, a.batch, a.seq)
         if a.profile:
             profile_steps(model, a.batch, a.seq, variant)
@@ -142,7 +143,7 @@ def main():
     dense = sum(rows[v]["step_ms"] for v in ("dense", "dense_again") if v in rows) / sum(
         v in rows for v in ("dense", "dense_again"))
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": a.batch, "seq": a.seq,
-            "rows": rows, "encoder_linears_fwd_bwd_ms": lin_ms, "compiled": a.compile, "compile_s": compile_s,
+            "rows": rows, "encoder_linears_fwd_bwd_ms": lin_ms, "compiled": a.compile, "compile_mode": a.compile_mode, "compile_s": compile_s,
             "linear_shapes": {f"{i}->{o}": c for (i, o), c in shapes.items()},
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     os.makedirs(a.out, exist_ok=True)
