@@ -203,7 +203,7 @@ def _compiled_matches_eager(device: str, dtype: torch.dtype, tol: float) -> None
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     for _ in range(2):
         compiled(x).sum().backward()
-    assert blocksparse.OP_META_BUILDS[0] - builds <= 1  # one metadata object per topology, not per call
+    assert blocksparse.OP_META_BUILDS[0] == builds  # the op uses the layer's own metadata object and caches
     torch._dynamo.reset()
 
 
@@ -238,7 +238,7 @@ def test_torch_compile_follows_a_topology_change_without_recompiling():
     layer.set_mask(flat.view(layer.mask.shape), opt)
     builds = blocksparse.OP_META_BUILDS[0]
     torch.testing.assert_close(compiled(x), layer(x), rtol=1e-5, atol=1e-5)
-    assert blocksparse.OP_META_BUILDS[0] == builds + 1
+    assert blocksparse.OP_META_BUILDS[0] == builds  # the op found the meta set_mask installed (shared caches)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     torch._dynamo.reset()
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear
+from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear, register_meta
 from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
 from sparsetrain.nn.formats import WeightFormat, register_format
 
@@ -42,6 +42,8 @@ class BlockFormat(WeightFormat):
         for name in BlockSparseMeta.TENSORS:
             layer.register_buffer(_PREFIX + name, getattr(meta, name), persistent=False)
         layer._bs_meta = meta
+        if meta.kernel_supported:
+            register_meta(meta)
 
     @staticmethod
     def meta(layer: SparseLinear) -> BlockSparseMeta:
@@ -54,6 +56,8 @@ class BlockFormat(WeightFormat):
             if bufs[_PREFIX + name] is not getattr(meta, name):
                 meta = layer._bs_meta = meta.with_tensors(
                     **{n: bufs[_PREFIX + n] for n in BlockSparseMeta.TENSORS})
+                if meta.kernel_supported:
+                    register_meta(meta)
                 break
         return meta
 

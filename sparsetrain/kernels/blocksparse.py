@@ -501,6 +501,17 @@ _OP_METAS: dict[tuple, BlockSparseMeta] = {}
 OP_META_BUILDS = [0]  # how many metas the ops built (tests and benchmarks read it)
 
 
+def register_meta(meta: BlockSparseMeta) -> None:
+    """Makes ``meta`` (and the entry lists and launch plans it caches) the one the custom ops use for its
+    tensors: an eager step before ``torch.compile(mode="reduce-overhead")`` then builds them outside the
+    CUDA-graph memory pool. The block format registers every meta it installs."""
+    key = tuple(getattr(meta, n).data_ptr() for n in BlockSparseMeta.TENSORS) + (
+        meta.out_features, meta.in_features, meta.block_rows)
+    if len(_OP_METAS) >= 4096:
+        _OP_METAS.clear()
+    _OP_METAS[key] = meta
+
+
 def _meta_for(tensors: tuple[Tensor, ...], out_features: int, in_features: int, block: int) -> BlockSparseMeta:
     key = tuple(t.data_ptr() for t in tensors) + (out_features, in_features, block)
     meta = _OP_METAS.get(key)
