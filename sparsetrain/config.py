@@ -129,6 +129,7 @@ def _call(node: Any, key: str, fn: Callable, **runtime: Any) -> Any:
 
 
 # ---- validation -----------------------------------------------------------------------------------
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -169,6 +170,10 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "trainer.keep_checkpoints", 1)
     _int(cfg, "trainer.num_workers", 0)
     _choice(cfg, "trainer.mixed_precision", MIXED_PRECISION)
+    if not isinstance(cfg.trainer.get("compile", False), bool):
+        raise ConfigError("trainer.compile", f"must be true or false, got {cfg.trainer.compile!r}")
+    if cfg.trainer.get("compile_mode") is not None:
+        _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
     _choice(cfg, "trainer.device", ("auto", "cpu", "cuda"))
     clip = cfg.trainer.clip_grad_norm
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
@@ -332,6 +337,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         mixed_precision=t.mixed_precision, clip_grad_norm=t.clip_grad_norm, eval_every=t.eval_every,
         eval_batches=t.eval_batches, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
         keep_checkpoints=t.keep_checkpoints, resume=t.resume, device=t.device, num_workers=t.num_workers,
+        compile=bool(t.get("compile", False)), compile_mode=t.get("compile_mode"),
         lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=float(o.min_lr_ratio),
         seed=int(cfg.seed), progress=bool(cfg.logger.progress), plot=bool(cfg.logger.plot),
         wandb=bool(cfg.logger.wandb.enabled), wandb_mode=str(cfg.logger.wandb.mode),

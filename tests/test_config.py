@@ -86,6 +86,8 @@ def test_recipe_settings_match_their_promise():
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("trainer.batch_size=-1", "trainer.batch_size"),
     ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
+    ("trainer.compile=maybe", "trainer.compile"),
+    ("trainer.compile_mode=turbo", "trainer.compile_mode"),
     ("optim.lr_schedule=step", "optim.lr_schedule"),
     ("optim.optimizer.lr=-1", "optim.optimizer.lr"),
     ("trainer.resume=/nonexistent/ckpt", "trainer.resume"),

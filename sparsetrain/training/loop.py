@@ -36,6 +36,8 @@ class TrainArgs:
     resume: str | None = None
     device: str = "auto"
     num_workers: int = 0
+    compile: bool = False
+    compile_mode: str | None = None
     lr_schedule: str = "cosine"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
@@ -212,6 +214,11 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
 
     for rec in dispatch:  # shape-aware 2:4 vs dense decisions, one row per layer
         log({"step": step, "event": "dispatch", **rec})
+    # torch.compile of the training forward (trainer.compile). The first step of this process runs eagerly:
+    # it tunes the sparse kernels and builds their metadata outside any CUDA-graph memory pool (needed by
+    # compile_mode=reduce-overhead). Evaluation and checkpoints use the uncompiled module (same parameters).
+    compiled = torch.compile(model, mode=args.compile_mode) if args.compile else None
+    first_step = step
 
     def evaluate() -> dict[str, float]:
         model.eval()
@@ -258,8 +265,9 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
             n_items, rate_key = _items_in(batch)
             items += n_items
             sync = nullcontext() if k == args.grad_accum - 1 else accelerator.no_sync(model)
+            fwd = compiled if compiled is not None and step > first_step else model
             with sync, accelerator.autocast():
-                loss = model(**batch).loss / args.grad_accum
+                loss = fwd(**batch).loss / args.grad_accum
             accelerator.backward(loss)
             loss_acc += loss.detach().float()
         if args.clip_grad_norm:
