@@ -130,6 +130,7 @@ def _call(node: Any, key: str, fn: Callable, **runtime: Any) -> Any:
 
 # ---- validation -----------------------------------------------------------------------------------
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 
@@ -326,6 +327,12 @@ def build_run(cfg: DictConfig) -> RunSpec:
     validate(cfg)
     sp = cfg.sparsity
     scheduler = build_scheduler(cfg)
+    if cfg.trainer.get("compile") and cfg.trainer.get("compile_mode") in CUDA_GRAPH_MODES and not getattr(
+            scheduler, "static_topology", False):
+        raise ConfigError("trainer.compile_mode", f"{cfg.trainer.compile_mode!r} captures CUDA graphs, which keep "
+                          f"tensor addresses, but the {getattr(scheduler, 'name', type(scheduler).__name__)} "
+                          "scheduler rewrites the sparse layers' index tensors at mask updates; use "
+                          "compile_mode=default or max-autotune-no-cudagraphs (or a static scheduler)")
     sparsify_kwargs = dict(
         targets=list(sp.targets), exclude=list(sp.exclude), density=float(sp.density),
         distribution=str(sp.distribution), density_overrides=_plain(sp.density_overrides) or None,

@@ -77,6 +77,20 @@ def test_recipe_settings_match_their_promise():
     assert q.sparsity.density == 0.1 and q.sparsity.scheduler.drop_schedule == "cosine" and q.model.size == "tiny"
 
 
+def test_cuda_graph_compile_needs_a_static_topology(tmp_path):
+    from sparsetrain.config import build_run
+
+    cfg = compose(["recipe=quickstart", "trainer.compile=true", "trainer.compile_mode=reduce-overhead"])
+    validate(cfg)
+    with pytest.raises(ConfigError) as e:  # quickstart updates masks (prune_regrow)
+        build_run(cfg)
+    assert e.value.key == "trainer.compile_mode"
+    static = compose(["recipe=quickstart", "sparsity=static", "trainer.compile=true",
+                      "trainer.compile_mode=reduce-overhead"])
+    validate(static)
+    build_run(static)  # fine: the masks never change
+
+
 @pytest.mark.parametrize("override,key", [
     ("sparsity.density=1.5", "sparsity.density"),
     ("sparsity.density=0", "sparsity.density"),

@@ -47,6 +47,9 @@ class SparsityScheduler:
 
     #: False for schedulers that keep the model dense (no sparsify)
     sparse: bool = True
+    # The masks (hence the block format's index tensors) never change after attach: a run may be CUDA-graphed
+    # (trainer.compile_mode=reduce-overhead), whose graphs keep the tensors' addresses.
+    static_topology: bool = False
     name: str = "base"
 
     def __init__(self, seed: int = 0) -> None:
@@ -132,12 +135,14 @@ class Dense(SparsityScheduler):
     """No sparsity at all: the dense baseline."""
 
     sparse = False
+    static_topology = True
     name = "dense"
 
 
 class Static(SparsityScheduler):
     """The mask chosen at initialisation (random or magnitude, see ``sparsify(init=...)``) never changes."""
 
+    static_topology = True
     name = "static"
 
 
