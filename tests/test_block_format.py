@@ -269,3 +269,29 @@ def test_gpu_block_format_matches_masked_under_autocast():
     assert blk.values.grad.dtype == torch.float32
     assert rel(blk.values.grad, dense_to_values(msk.weight.grad, meta)) < 1e-2
     assert rel(blk.bias.grad, msk.bias.grad) < 1e-2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torch_compile_with_dense_gradient_capture(device):
+    """RigL's capture steps (a Python hook in the backward) run that layer outside the graph; the captured
+    dense gradient and the block gradients equal eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block").to(device)
+    x = torch.randn(20, 64, device=device)
+    layer.capture_dense_grad = True
+    layer(x).square().sum().backward()
+    want_dense, want_values = layer.dense_grad.clone(), layer.values.grad.clone()
+    layer.dense_grad, layer.values.grad = None, None
+    compiled = torch.compile(layer)
+    compiled(x).square().sum().backward()
+    tol = 1e-5 if device == "cpu" else 1e-3  # fp32 on the GPU: tf32 tensor cores
+    torch.testing.assert_close(layer.dense_grad, want_dense, rtol=tol, atol=tol)
+    torch.testing.assert_close(layer.values.grad, want_values, rtol=tol, atol=tol)
+    layer.capture_dense_grad = False  # back to the custom op (a second, cached graph)
+    layer.values.grad = None
+    compiled(x).square().sum().backward()
+    torch.testing.assert_close(layer.values.grad, want_values, rtol=tol, atol=tol)
+    torch._dynamo.reset()

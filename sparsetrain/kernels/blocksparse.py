@@ -586,6 +586,13 @@ def _bs_backward(ctx, dy):
 _bs_linear_op.register_autograd(_bs_backward, setup_context=_bs_setup_context)
 
 
+@torch.compiler.disable
+def _eager_with_hook(x2d: Tensor, values: Tensor, bias: Tensor | None, meta: BlockSparseMeta,
+                     hook: Callable[[Tensor], None]) -> Tensor:
+    """The autograd-function path outside the compiled graph (a graph break on dense-gradient capture steps)."""
+    return BlockSparseLinearFn.apply(x2d, values, bias, meta, hook)
+
+
 class _DenseGradHook(torch.autograd.Function):
     """Identity on the dense weight whose backward hands the incoming gradient to a hook (reference path)."""
 
@@ -666,6 +673,8 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
             y = torch.ops.sparsetrain.block_sparse_linear(
                 x2d, values.contiguous(), bias, *(getattr(meta, n) for n in BlockSparseMeta.TENSORS),
                 meta.out_features, meta.in_features, meta.block)
+        elif torch.compiler.is_compiling():  # RigL capture steps: the hook is Python, run this layer eagerly
+            y = _eager_with_hook(x2d, values.contiguous(), bias, meta, dense_grad_hook)
         else:
             y = BlockSparseLinearFn.apply(x2d, values.contiguous(), bias, meta, dense_grad_hook)
     else:
