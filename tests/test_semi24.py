@@ -309,3 +309,26 @@ def test_gpu_selected_alg_is_correct_on_fresh_data(m, k, tokens):
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     y = sparse_mm_t(compress(am), x, choice)
     assert _rel(y, x.float() @ am.float().t()) < 1e-2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_torch_compile_of_a_24_layer_equals_eager(device):
+    """Under torch.compile the CUDA 2:4 path is a graph break (run eagerly); on CPU the masked reference is
+    traced. Either way outputs and gradients equal eager."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layer = SparseLinear.from_dense(torch.nn.Linear(256, 512), density=0.5, format="2:4").to(device, dtype)
+    x = torch.randn(64, 256, device=device, dtype=dtype, requires_grad=True)
+    y_eager = layer(x)
+    y_eager.float().square().sum().backward()
+    want = [y_eager.detach(), x.grad.clone(), layer.weight.grad.clone()]
+    x.grad, layer.weight.grad = None, None
+    y = torch.compile(layer)(x)
+    y.float().square().sum().backward()
+    tol = 1e-5 if device == "cpu" else 2e-2
+    for got, exp in zip([y.detach(), x.grad, layer.weight.grad], want):
+        torch.testing.assert_close(got.float(), exp.float(), rtol=tol, atol=tol)
+    torch._dynamo.reset()

@@ -43,6 +43,15 @@ from sparsetrain.nn.sparse_linear import SparseLinear
 from sparsetrain.sparsity.layout import Block
 
 
+@torch.compiler.disable
+def _semi24_eager(fmt, layer, x: Tensor) -> Tensor:
+    """The CUDA 2:4 path (mask kernel, cuSPARSELt packing and products, per-shape plans) always runs eagerly:
+    under ``torch.compile`` the layer is a graph break rather than something dynamo would have to trace."""
+    if fmt.recompute_every_forward:
+        return semi24_linear(x, layer.weight, layer.bias, mode=fmt.mode, mask_out=layer.mask, layer=layer)
+    return semi24_linear(x, layer.weight, layer.bias, mode=fmt.mode, mask=layer.mask, layer=layer)
+
+
 @register_format("2:4")
 class Semi24Format(MaskedFormat):
     """Transposable 2:4 straight-through format.
@@ -102,9 +111,7 @@ class Semi24Format(MaskedFormat):
             else:
                 self._refresh(layer)
             return super().forward(layer, x)
-        if self.recompute_every_forward:
-            return semi24_linear(x, layer.weight, layer.bias, mode=self.mode, mask_out=layer.mask, layer=layer)
-        return semi24_linear(x, layer.weight, layer.bias, mode=self.mode, mask=layer.mask, layer=layer)
+        return _semi24_eager(self, layer, x)
 
     def dense_weight(self, layer):
         # From the mask buffer itself: on CUDA the element-mask cache is not refreshed every step.
