@@ -49,8 +49,15 @@ def swap_free(model):
         setattr(parent, leaf, FreeLinear(getattr(parent, leaf)))
 
 
+OPT = {"fused": True, "clip": None}  # set from the command line
+
+
+def make_opt(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=OPT["fused"], foreach=None if OPT["fused"] else True)
+
+
 def step_ms(model, batch, seq, steps=30, warm=10):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = make_opt(model)
     x = torch.randint(0, 30522, (batch, seq), device="cuda")
     times = []
     for s in range(steps):
@@ -59,6 +66,8 @@ def step_ms(model, batch, seq, steps=30, warm=10):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
+        if OPT["clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), OPT["clip"])
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -71,7 +80,7 @@ def step_ms(model, batch, seq, steps=30, warm=10):
 def profile_steps(model, batch, seq, label, steps=3):
     from torch.profiler import ProfilerActivity, profile
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = make_opt(model)
     x = torch.randint(0, 30522, (batch, seq), device="cuda")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -113,7 +122,11 @@ def main():
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. reduce-overhead (CUDA graphs)")
     ap.add_argument("--variants", default="dense,free_linears,block_b16,block_b64,dense_again")
     ap.add_argument("--profile", action="store_true", help="print each variant's top GPU kernels (3 steps)")
+    ap.add_argument("--optimizer", choices=["fused", "foreach"], default="fused",
+                    help="AdamW implementation (the CLI's recipes use torch's default, foreach)")
+    ap.add_argument("--clip", type=float, default=None, help="clip_grad_norm_ each step (the CLI: 1.0)")
     a = ap.parse_args()
+    OPT.update(fused=a.optimizer == "fused", clip=a.clip)
     rows = {}
     for variant in a.variants.split(","):
         torch.manual_seed(0)
@@ -144,7 +157,7 @@ def main():
     dense = sum(rows[v]["step_ms"] for v in ("dense", "dense_again") if v in rows) / sum(
         v in rows for v in ("dense", "dense_again"))
     info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "batch": a.batch, "seq": a.seq,
-            "rows": rows, "encoder_linears_fwd_bwd_ms": lin_ms, "compiled": a.compile, "compile_mode": a.compile_mode, "compile_s": compile_s,
+            "rows": rows, "encoder_linears_fwd_bwd_ms": lin_ms, "compiled": a.compile, "compile_mode": a.compile_mode, "optimizer": a.optimizer, "clip": a.clip, "compile_s": compile_s,
             "linear_shapes": {f"{i}->{o}": c for (i, o), c in shapes.items()},
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     os.makedirs(a.out, exist_ok=True)
