@@ -90,3 +90,29 @@ def max_tile_len(weight) -> int:
             cached = max(last, inner)
         weight._max_tile_len = cached
     return cached
+
+
+def aligned(weight) -> bool:
+    """The CUDA kernels copy a weight's tensors with 16-byte loads: each must start 16-byte aligned (fresh
+    allocations do; views into a larger buffer may not)."""
+    return all(t.data_ptr() % 16 == 0 for t in weight.tensors().values())
+
+
+def launch_cuda(fn, name: str, format_ptrs: tuple[int, int, int], weight, x2: Tensor, bias: Tensor | None,
+                split_k: int | None, waves: float) -> Tensor:
+    """Runs one of the ``csrc`` skinny-SpMM launchers, whose arguments are X, the format's three tensors,
+    ``tile_offsets``, the bias and outputs, then the sizes (see ``sparsetrain_spmm_bitmap``); returns Y."""
+    if not aligned(weight):
+        raise ValueError(f"{name}: the weight's tensors must be 16-byte aligned (tensors made by compress or "
+                         ".to() are)")
+    m, k = weight.shape
+    tm, tk = weight.tile_offsets.shape
+    run = prepare_cuda(x2, m, tm, tk, bias, split_k, waves)
+    rc = fn(run.x2.data_ptr(), *format_ptrs, weight.tile_offsets.data_ptr(),
+            run.bias.data_ptr() if run.bias is not None else 0, run.y.data_ptr(), run.ws.data_ptr(),
+            run.locks.data_ptr(), weight.values.numel(), x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0),
+            tm, tk, run.tiles_per_split, run.split_k, max_tile_len(weight), int(x2.dtype == torch.bfloat16),
+            run.stream)
+    if rc != 0:
+        raise RuntimeError(f"{name} CUDA launch failed with code {rc}")
+    return run.y

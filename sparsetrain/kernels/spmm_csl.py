@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels._launch import MAX_TOKENS, max_tile_len, prepare_cuda
+from sparsetrain.kernels._launch import MAX_TOKENS, aligned, launch_cuda
 
 TILE_M, TILE_K, SUB = 128, 64, 16
 N_SUB = (TILE_M // SUB) * (TILE_K // SUB)  # 32 sub-tiles per tile
@@ -167,7 +167,7 @@ def bitmap_bytes(m: int, k: int, nnz: int, elem: int = 2, block_m: int = 128) ->
 def cuda_usable(x2: Tensor, weight: CslWeight) -> bool:
     """Whether :func:`spmm_csl_cuda` takes this call (CUDA, fp16/bf16, 1..64 tokens, aligned tensors, built)."""
     if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or not 1 <= x2.shape[0] <= MAX_TOKENS
-            or any(t.data_ptr() % 16 for t in weight.tensors().values())):
+            or not aligned(weight)):
         return False
     from . import _cuda
     return _cuda.load("spmm_csl", x2.device) is not None
@@ -183,21 +183,9 @@ def spmm_csl_cuda(x2: Tensor, weight: CslWeight, bias: Tensor | None = None, spl
         raise RuntimeError("the CUDA csl kernel is unavailable here (no nvcc or no GPU)")
     if x2.dtype != weight.dtype:
         raise TypeError(f"x dtype {x2.dtype} differs from the weight dtype {weight.dtype}")
-    if any(t.data_ptr() % 16 for t in weight.tensors().values()):
-        raise ValueError("CslWeight tensors must be 16-byte aligned (use tensors made by compress_csl or .to())")
-    m, k = weight.shape
-    tm, tk = weight.tile_offsets.shape
-    run = prepare_cuda(x2, m, tm, tk, bias, split_k, waves or CUDA_WAVES)
-    rc = lib.sparsetrain_spmm_csl(
-        run.x2.data_ptr(), weight.values.data_ptr(), weight.locs.data_ptr(),
-        weight.sub_offsets.data_ptr(), weight.tile_offsets.data_ptr(),
-        run.bias.data_ptr() if run.bias is not None else 0, run.y.data_ptr(), run.ws.data_ptr(),
-        run.locks.data_ptr(), weight.nnz, x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0), tm, tk,
-        run.tiles_per_split, run.split_k, max_tile_len(weight), int(x2.dtype == torch.bfloat16),
-        run.stream)
-    if rc != 0:
-        raise RuntimeError(f"spmm_csl CUDA launch failed with code {rc}")
-    return run.y
+    return launch_cuda(lib.sparsetrain_spmm_csl, "spmm_csl",
+                       (weight.values.data_ptr(), weight.locs.data_ptr(), weight.sub_offsets.data_ptr()),
+                       weight, x2, bias, split_k, waves or CUDA_WAVES)
 
 
 def spmm_csl_reference(x: Tensor, weight: CslWeight, bias: Tensor | None = None) -> Tensor:

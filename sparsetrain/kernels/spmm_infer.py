@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsetrain.kernels._launch import MAX_TOKENS, max_tile_len, prepare_cuda, split_k_for, workspace
+from sparsetrain.kernels._launch import MAX_TOKENS, aligned, launch_cuda, split_k_for, workspace
 from sparsetrain.kernels.spmm_csl import (
     CompressedWeight,
     CslWeight,
@@ -262,18 +262,12 @@ def spmm_triton(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None =
     return y
 
 
-def _aligned(weight) -> bool:
-    """The CUDA kernels copy the weight's tensors with 16-byte loads: every tensor must start 16-byte aligned
-    (fresh allocations do; views into a larger buffer may not)."""
-    return all(t.data_ptr() % 16 == 0 for t in weight.tensors().values())
-
-
 def cuda_kernel_usable(x2: Tensor, weight: SparseInferenceWeight) -> bool:
     """Whether :func:`spmm_cuda` takes this call: CUDA, fp16/bf16, 128-row tiles, 1..64 tokens, the library
     built (``SPARSETRAIN_SPMM_BACKEND=triton`` forces the Triton kernel)."""
     if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or weight.block_m != 128
             or not 1 <= x2.shape[0] <= MAX_TOKENS or os.environ.get("SPARSETRAIN_SPMM_BACKEND") == "triton"
-            or not _aligned(weight)):
+            or not aligned(weight)):
         return False
     from . import _cuda
     return _cuda.load("spmm_bitmap", x2.device) is not None
@@ -294,21 +288,9 @@ def spmm_cuda(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = N
         raise RuntimeError("the CUDA spmm kernel is unavailable here (see the warning above); use spmm_triton")
     if weight.block_m != 128:
         raise ValueError(f"the CUDA kernel takes 128-row tiles, got block_m={weight.block_m}")
-    if not _aligned(weight):
-        raise ValueError("the weight's tensors must be 16-byte aligned (tensors made by compress or .to() are)")
-    m, k = weight.shape
-    tm, tk = weight.tile_offsets.shape
-    run = prepare_cuda(x2, m, tm, tk, bias, split_k, waves or CUDA_WAVES)
-    rc = lib.sparsetrain_spmm_bitmap(
-        run.x2.data_ptr(), weight.bitmap.data_ptr(), weight.row_offsets.data_ptr(),
-        weight.values.data_ptr(), weight.tile_offsets.data_ptr(),
-        run.bias.data_ptr() if run.bias is not None else 0, run.y.data_ptr(), run.ws.data_ptr(),
-        run.locks.data_ptr(), weight.values.numel(), x2.shape[0], m, k, run.x2.stride(0), run.y.stride(0),
-        tm, tk, run.tiles_per_split, run.split_k, max_tile_len(weight),
-        int(x2.dtype == torch.bfloat16), run.stream)
-    if rc != 0:
-        raise RuntimeError(f"spmm_bitmap CUDA launch failed with code {rc}")
-    return run.y
+    return launch_cuda(lib.sparsetrain_spmm_bitmap, "spmm_bitmap",
+                       (weight.bitmap.data_ptr(), weight.row_offsets.data_ptr(), weight.values.data_ptr()),
+                       weight, x2, bias, split_k, waves or CUDA_WAVES)
 
 
 def _next_pow2(n: int) -> int:

@@ -71,23 +71,6 @@ __device__ __forceinline__ void write_output(float (&acc)[2][NT][4], int row_bas
                                              int m, int n, const uint16_t* bias, uint16_t* y, int sy, int split_k,
                                              float* ws, int32_t* locks, int pid_m, int threads) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  if (split_k == 1) {
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int o = row_base + mt * 16 + g + 8 * (i >> 1);
-          const int tok = nt * 8 + 2 * t + (i & 1);
-          if (o < m && tok < n) {
-            float v = acc[mt][nt][i];
-            if (bias) v += to_float<T>(reinterpret_cast<const T*>(bias)[o]);
-            reinterpret_cast<T*>(y)[static_cast<long long>(tok) * sy + o] = from_float<T>(v);
-          }
-        }
-    return;
-  }
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -96,8 +79,16 @@ __device__ __forceinline__ void write_output(float (&acc)[2][NT][4], int row_bas
       for (int i = 0; i < 4; ++i) {
         const int o = row_base + mt * 16 + g + 8 * (i >> 1);
         const int tok = nt * 8 + 2 * t + (i & 1);
-        if (o < m && tok < n) atomicAdd(ws + static_cast<long long>(tok) * m + o, acc[mt][nt][i]);
+        if (o >= m || tok >= n) continue;
+        if (split_k == 1) {
+          float v = acc[mt][nt][i];
+          if (bias) v += to_float<T>(reinterpret_cast<const T*>(bias)[o]);
+          reinterpret_cast<T*>(y)[static_cast<long long>(tok) * sy + o] = from_float<T>(v);
+        } else {
+          atomicAdd(ws + static_cast<long long>(tok) * m + o, acc[mt][nt][i]);
+        }
       }
+  if (split_k == 1) return;
   __threadfence();
   __syncthreads();
   __shared__ int last;
@@ -144,6 +135,53 @@ inline SkinnyArgs skinny_args(long long x, long long tile_off, long long bias, l
   a.tiles_per_split = tiles_per_split; a.split_k = split_k;
   return a;
 }
+
+// Copies elements [base, base + 16 * n_chunks / ELEM) of `src` (16-byte aligned base) into `dst` with 16-byte
+// cp.async pieces, zero-filling past `rem` elements (only the matrix's last tile can run past its end).
+template <int ELEM, int THREADS>
+__device__ __forceinline__ void copy_window(void* dst, const void* src, int n_chunks, int rem) {
+  constexpr int PER = 16 / ELEM;
+  for (int c = threadIdx.x; c < n_chunks; c += THREADS) {
+    const int r = rem - PER * c;
+    cp_async16(static_cast<char*>(dst) + 16 * c, static_cast<const char*>(src) + 16 * c,
+               r >= PER ? 16 : (r > 0 ? ELEM * r : 0));
+  }
+}
+
+// The X slice [NT * 8 tokens, BK columns] of one tile into shared memory rows STRIDE halves apart, in pieces
+// of PIECE halves (4: 8-byte copies, for strides that are not 16-byte multiples; 8: 16-byte copies); rows past
+// N and columns past K zero-filled. Each thread's pieces are the same for every tile: their offsets in X are
+// computed once.
+template <int NT, int BK, int STRIDE, int PIECE, int THREADS>
+struct XSlice {
+  static constexpr int PER_ROW = BK / PIECE;
+  static constexpr int PIECES = NT * 8 * PER_ROW;
+  static constexpr int PER_THREAD = (PIECES + THREADS - 1) / THREADS;
+  int src[PER_THREAD];  // element offset of the piece in X for tile 0 (row * sx + col); -1: past N / none
+  int col[PER_THREAD];  // its first column in tile 0
+  __device__ __forceinline__ explicit XSlice(const SkinnyArgs& a) {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int c = threadIdx.x + THREADS * i, row = c / PER_ROW;
+      col[i] = PIECE * (c % PER_ROW);
+      src[i] = (c < PIECES && row < a.n) ? row * a.sx + col[i] : -1;
+    }
+  }
+  __device__ __forceinline__ void issue(const SkinnyArgs& a, uint16_t* xs, int kt) const {
+    const int k_left = a.k - kt * BK;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int c = threadIdx.x + THREADS * i;
+      if (c >= PIECES) break;
+      const int cols = k_left - col[i];
+      const int bytes = src[i] < 0 ? 0 : (cols >= PIECE ? 2 * PIECE : (cols > 0 ? 2 * cols : 0));
+      uint16_t* dst = xs + (c / PER_ROW) * STRIDE + col[i];
+      const uint16_t* from = a.x + (bytes ? src[i] + kt * BK : 0);
+      if constexpr (PIECE == 4) cp_async8(dst, from, bytes);
+      else cp_async16(dst, from, bytes);
+    }
+  }
+};
 
 // Launches `kern<NT, BF16>` (NT = token tiles of 8: 1, 2, 4 or 8 for N <= 8, 16, 32, 64) with `smem` bytes of
 // dynamic shared memory, raising the block's shared-memory limit when it exceeds 48 KB. Returns a cudaError_t.

@@ -37,22 +37,9 @@ struct Args : SkinnyArgs {
   int vcap;                 // halves per shared-memory value buffer (>= longest tile + 8)
 };
 
-// Per-thread constants of the X-slice copies: thread tid copies the 8-byte pieces c = tid + THREADS * i of the
-// [NT * 8, 64] slice (row c >> 4, columns 4 (c & 15) .. + 3), the same pieces for every tile.
+// X slices: the staged rows are 136 bytes apart (XS_STRIDE), so 8-byte pieces.
 template <int NT>
-struct XCopies {
-  static constexpr int PER_THREAD = NT * 8 * (BK / 4) / THREADS;  // NT * 128 pieces / 128 threads
-  int src[PER_THREAD];  // element offset of the piece in X for tile 0 (row * sx + 4q), or -1 past N
-  int col[PER_THREAD];  // its first column in tile 0
-  __device__ __forceinline__ XCopies(const Args& a) {
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const int c = threadIdx.x + THREADS * i, row = c >> 4, q = c & 15;
-      src[i] = row < a.n ? row * a.sx + 4 * q : -1;
-      col[i] = 4 * q;
-    }
-  }
-};
+using XCopies = XSlice<NT, BK, XS_STRIDE, 4, THREADS>;
 
 // Issues the cp.async copies of one tile (values window, X slice, bitmap, row offsets) into one stage.
 // Returns the shared-memory index of the tile's first value (the window starts 16-byte aligned below it).
@@ -62,25 +49,10 @@ __device__ __forceinline__ int stage_tile(const Args& a, const XCopies<NT>& xc, 
   const int tid = threadIdx.x;
   const long long s = a.tile_off[tile];
   const long long e = (tile + 1 < a.n_tiles) ? static_cast<long long>(a.tile_off[tile + 1]) : a.n_values;
-  const long long base = s & ~7LL;  // 8 halves = 16 bytes
-  const uint16_t* vsrc = a.values + base;
-  const int n_chunks = static_cast<int>((e - base + 7) >> 3);
-  // Halves left in `values` from the window start (only the matrix's last tile can run past its end).
-  const int rem = static_cast<int>(min(a.n_values - base, 1LL << 30));
-  for (int c = tid; c < n_chunks; c += THREADS) {
-    const int r = rem - 8 * c;
-    cp_async16(sv + 8 * c, vsrc + 8 * c, r >= 8 ? 16 : (r > 0 ? 2 * r : 0));
-  }
-  // X[:, 64 kt : 64 kt + 64], rows >= N and columns >= K zero-filled; 8-byte pieces (the staged rows are 136
-  // bytes apart, so 16-byte copies would be misaligned).
-  const int k_left = a.k - kt * BK;
-#pragma unroll
-  for (int i = 0; i < XCopies<NT>::PER_THREAD; ++i) {
-    const int c = tid + THREADS * i;
-    const int cols = k_left - xc.col[i];
-    const int bytes = xc.src[i] < 0 ? 0 : (cols >= 4 ? 8 : (cols > 0 ? 2 * cols : 0));
-    cp_async8(xs + (c >> 4) * XS_STRIDE + 4 * (c & 15), a.x + (bytes ? xc.src[i] + kt * BK : 0), bytes);
-  }
+  const long long base = s & ~7LL;  // 8 halves = 16 bytes: the window starts aligned below the tile
+  copy_window<2, THREADS>(sv, a.values + base, static_cast<int>((e - base + 7) >> 3),
+                          static_cast<int>(min(a.n_values - base, 1LL << 30)));
+  xc.issue(a, xs, kt);
   // 128 rows x 8 bytes of bitmap = 64 chunks; 128 x 2 bytes of row offsets = 16 chunks.
   if (tid < 64) {
     cp_async16(sbm + 4 * tid, a.bitmap + static_cast<long long>(tile) * (2 * BM) + 4 * tid, 16);

@@ -41,22 +41,8 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) 
                : "r"(s));
 }
 
-// Per-thread constants of the X-slice copies: thread tid copies the 16-byte pieces c = tid + THREADS * i of the
-// [NT * 8, 64] slice (row c >> 3, columns 8 (c & 7) .. + 7), the same pieces for every tile.
 template <int NT>
-struct XCopies {
-  static constexpr int PER_THREAD = (NT * 8 * (BK / 8) + THREADS - 1) / THREADS;
-  int src[PER_THREAD];  // element offset in X for tile 0 (row * sx + 8q); -1: row past N or no piece
-  int col[PER_THREAD];
-  __device__ __forceinline__ XCopies(const Args& a) {
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const int c = threadIdx.x + THREADS * i, row = c >> 3, q = c & 7;
-      src[i] = (c < NT * 8 * (BK / 8) && row < a.n) ? row * a.sx + 8 * q : -1;
-      col[i] = 8 * q;
-    }
-  }
-};
+using XCopies = XSlice<NT, BK, XS_STRIDE, 8, THREADS>;
 
 template <int NT>
 __device__ __forceinline__ Staged stage_tile(const Args& a, const XCopies<NT>& xc, int tile, int kt, uint16_t* sv,
@@ -65,32 +51,12 @@ __device__ __forceinline__ Staged stage_tile(const Args& a, const XCopies<NT>& x
   const long long s = a.tile_off[tile];
   const long long e = (tile + 1 < a.n_tiles) ? static_cast<long long>(a.tile_off[tile + 1]) : a.n_values;
   const long long bv = s & ~7LL, bl = s & ~15LL;
-  const int v_chunks = static_cast<int>((e - bv + 7) >> 3);
-  const int l_chunks = static_cast<int>((e - bl + 15) >> 4);
-  const int v_rem = static_cast<int>(min(a.n_values - bv, 1LL << 30));  // elements left from the window start
-  const int l_rem = static_cast<int>(min(a.n_values - bl, 1LL << 30));
-  const uint16_t* vsrc = a.values + bv;
-  const uint8_t* lsrc = a.locs + bl;
-  for (int c = tid; c < v_chunks + l_chunks; c += THREADS) {
-    if (c < v_chunks) {
-      const int r = v_rem - 8 * c;
-      cp_async16(sv + 8 * c, vsrc + 8 * c, r >= 8 ? 16 : (r > 0 ? 2 * r : 0));
-    } else {
-      const int cl = c - v_chunks, r = l_rem - 16 * cl;
-      cp_async16(sl + 16 * cl, lsrc + 16 * cl, r >= 16 ? 16 : (r > 0 ? r : 0));
-    }
-  }
+  copy_window<2, THREADS>(sv, a.values + bv, static_cast<int>((e - bv + 7) >> 3),
+                          static_cast<int>(min(a.n_values - bv, 1LL << 30)));
+  copy_window<1, THREADS>(sl, a.locs + bl, static_cast<int>((e - bl + 15) >> 4),
+                          static_cast<int>(min(a.n_values - bl, 1LL << 30)));
   if (tid < 4) cp_async16(so + 8 * tid, a.sub_off + static_cast<long long>(tile) * N_SUB + 8 * tid, 16);
-  const int k_left = a.k - kt * BK;
-#pragma unroll
-  for (int i = 0; i < XCopies<NT>::PER_THREAD; ++i) {
-    const int c = tid + THREADS * i;
-    if (c < NT * 8 * (BK / 8)) {
-      const int cols = k_left - xc.col[i];
-      const int bytes = xc.src[i] < 0 ? 0 : (cols >= 8 ? 16 : (cols > 0 ? 2 * cols : 0));
-      cp_async16(xs + (c >> 3) * XS_STRIDE + 8 * (c & 7), a.x + (bytes ? xc.src[i] + kt * BK : 0), bytes);
-    }
-  }
+  xc.issue(a, xs, kt);
   return Staged{static_cast<int>(s - bv), static_cast<int>(s - bl), static_cast<int>(e - s)};
 }
 
