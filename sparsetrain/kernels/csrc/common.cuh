@@ -158,24 +158,26 @@ struct XSlice {
   static constexpr int PIECES = NT * 8 * PER_ROW;
   static constexpr int PER_THREAD = (PIECES + THREADS - 1) / THREADS;
   int src[PER_THREAD];  // element offset of the piece in X for tile 0 (row * sx + col); -1: past N / none
-  int col[PER_THREAD];  // its first column in tile 0
   __device__ __forceinline__ explicit XSlice(const SkinnyArgs& a) {
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
-      const int c = threadIdx.x + THREADS * i, row = c / PER_ROW;
-      col[i] = PIECE * (c % PER_ROW);
-      src[i] = (c < PIECES && row < a.n) ? row * a.sx + col[i] : -1;
+      const unsigned c = threadIdx.x + THREADS * i;  // unsigned: / and % by powers of two are shifts and masks
+      const int row = static_cast<int>(c / PER_ROW);
+      src[i] = (c < PIECES && row < a.n) ? row * a.sx + PIECE * static_cast<int>(c % PER_ROW) : -1;
     }
   }
   __device__ __forceinline__ void issue(const SkinnyArgs& a, uint16_t* xs, int kt) const {
     const int k_left = a.k - kt * BK;
 #pragma unroll
     for (int i = 0; i < PER_THREAD; ++i) {
-      const int c = threadIdx.x + THREADS * i;
-      if (c >= PIECES) break;
-      const int cols = k_left - col[i];
+      const unsigned c = threadIdx.x + THREADS * i;
+      if constexpr (PIECES % THREADS != 0) {
+        if (c >= PIECES) break;
+      }
+      const int col = PIECE * static_cast<int>(c % PER_ROW);  // from c, not stored: the compiler folds it
+      const int cols = k_left - col;
       const int bytes = src[i] < 0 ? 0 : (cols >= PIECE ? 2 * PIECE : (cols > 0 ? 2 * cols : 0));
-      uint16_t* dst = xs + (c / PER_ROW) * STRIDE + col[i];
+      uint16_t* dst = xs + (c / PER_ROW) * STRIDE + col;
       const uint16_t* from = a.x + (bytes ? src[i] + kt * BK : 0);
       if constexpr (PIECE == 4) cp_async8(dst, from, bytes);
       else cp_async16(dst, from, bytes);
