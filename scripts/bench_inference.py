@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsetrain.kernels import spmm_csl as sc  # noqa: E402
 from sparsetrain.kernels import spmm_infer as si  # noqa: E402
+from sparsetrain.kernels import spmm_pair as sp  # noqa: E402
 
 SHAPES = [(28672, 7168), (7168, 28672), (9216, 36864), (36864, 9216), (4096, 14336), (14336, 4096)]
 SPARSITIES = [0.5, 0.7, 0.8, 0.9]
@@ -71,8 +72,9 @@ class Rotating:
         return self.fn(self.items[self.i])
 
 
-def clone_weight(cw: si.SparseInferenceWeight) -> si.SparseInferenceWeight:
-    return si.SparseInferenceWeight.from_tensors({k: v.clone() for k, v in cw.tensors().items()}, cw.shape)
+def clone_weight(cw):
+    """A copy of a compressed weight (any format) in fresh, 16-byte-aligned allocations."""
+    return type(cw).from_tensors({k: v.clone() for k, v in cw.tensors().items()}, cw.shape)
 
 
 def rel_err(y, ref) -> float:
@@ -112,6 +114,9 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
     csl_ok = DEV == "cuda" and sc.cuda_usable(torch.zeros(1, k, device=DEV, dtype=dtype), csl)
     csl_copies = ([csl] + [sc.CslWeight.from_tensors({a: b.clone() for a, b in csl.tensors().items()}, csl.shape)
                            for _ in range(n_copies(csl.nbytes()) - 1)]) if csl_ok else []
+    pair = sp.compress_pair(w)
+    pair_ok = DEV == "cuda" and sp.cuda_usable(torch.zeros(1, k, device=DEV, dtype=dtype), pair)
+    pair_copies = ([pair] + [clone_weight(pair) for _ in range(n_copies(pair.nbytes()) - 1)]) if pair_ok else []
     for n in tokens:
         x = torch.randn(n, k, device=DEV, dtype=dtype)
         ref = si.spmm_reference(x, cw)
@@ -123,6 +128,8 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
         t_ours = t_cuda if t_cuda is not None else t_triton
         err_csl = rel_err(sc.spmm_csl_cuda(x, csl), ref) if csl_ok else None
         t_csl = bench(Rotating(csl_copies, lambda c, x=x: sc.spmm_csl_cuda(x, c))) if csl_ok else None
+        err_pair = rel_err(sp.spmm_pair_cuda(x, pair), ref) if pair_ok else None
+        t_pair = bench(Rotating(pair_copies, lambda c, x=x: sp.spmm_pair_cuda(x, c))) if pair_ok else None
         t_csr = None
         if csr is not None:
             xt = x.t().contiguous()
@@ -136,11 +143,14 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
                      "bytes_per_elem": cw.nbytes() / (m * k), "ideal_bytes_per_elem": 0.125 + 2 * (1 - s),
                      "compress_s": compress_s, "to_dense_exact": exact,
                      "csl_ms": t_csl, "csl_speedup": (t_dense / t_csl) if t_csl else None, "rel_err_csl": err_csl,
-                     "csl_bytes_per_elem": csl.nbytes() / (m * k), "csl_exact": bool(torch.equal(csl.to_dense(), w))})
+                     "csl_bytes_per_elem": csl.nbytes() / (m * k), "csl_exact": bool(torch.equal(csl.to_dense(), w)),
+                     "pair_ms": t_pair, "pair_speedup": (t_dense / t_pair) if t_pair else None,
+                     "rel_err_pair": err_pair, "pair_bytes_per_elem": pair.nbytes() / (m * k),
+                     "pair_exact": bool(torch.equal(pair.to_dense(), w))})
     t_decode = bench(Rotating(ours_copies, lambda c: c.to_dense()))
     for r in rows:
         r["decode_to_dense_ms"] = t_decode
-    del dense_copies, ours_copies, csr, csl_copies
+    del dense_copies, ours_copies, csr, csl_copies, pair_copies
     if DEV == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -191,6 +201,10 @@ def correctness() -> list[dict]:
                     for split in (1, 3, None):
                         row[f"rel_err_csl_split{split}"] = rel_err(sc.spmm_csl_cuda(x, cl, b, split_k=split), ref)
                     row["rel_err_csl_view"] = rel_err(sc.spmm_csl_cuda(xs, cl), si.spmm_reference(xs, cw))
+                    pw = sp.compress_pair(w)
+                    for split in (1, 3, None):
+                        row[f"rel_err_pair_split{split}"] = rel_err(sp.spmm_pair_cuda(x, pw, b, split_k=split), ref)
+                    row["rel_err_pair_view"] = rel_err(sp.spmm_pair_cuda(xs, pw), si.spmm_reference(xs, cw))
                 out.append(row)
     return out
 
@@ -273,7 +287,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="launch-configuration sweep instead of the table")
     ap.add_argument("--no-csr", action="store_true")
     ap.add_argument("--cuda-waves", action="store_true", help="also sweep the CUDA kernel's split-K target")
-    ap.add_argument("--profile", choices=["triton", "cuda", "csl"],
+    ap.add_argument("--profile", choices=["triton", "cuda", "csl", "pair"],
                     help="only launch that kernel 5 times (28672x7168, N=16), e.g. under ncu")
     ap.add_argument("--profile-sparsity", type=float, default=0.9)
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 28672x7168,4096x14336")
@@ -284,10 +298,10 @@ def main() -> None:
     if args.profile:
         m, k = (28672, 7168) if DEV == "cuda" else (256, 128)
         w = random_sparse(m, k, args.profile_sparsity)
-        cw, cl = si.compress(w), sc.compress_csl(w)
+        cw, cl, pw = si.compress(w), sc.compress_csl(w), sp.compress_pair(w)
         x = torch.randn(16, k, device=DEV, dtype=torch.float16)
         fn = {"triton": lambda: si.spmm_triton(x, cw), "cuda": lambda: si.spmm_cuda(x, cw),
-              "csl": lambda: sc.spmm_csl_cuda(x, cl)}[args.profile]
+              "csl": lambda: sc.spmm_csl_cuda(x, cl), "pair": lambda: sp.spmm_pair_cuda(x, pw)}[args.profile]
         for _ in range(5):
             fn()
         return
@@ -317,6 +331,7 @@ def main() -> None:
     save(args.out, name, info)
     if not args.sweep:
         print_table(info["rows"])
+        print_formats(info["rows"])
 
 
 def save(out: str, name: str, info: dict) -> None:
@@ -338,6 +353,20 @@ def print_table(rows) -> None:
               f"{r['bytes_per_elem']:.3f} ({r['ideal_bytes_per_elem']:.3f}) | {r['rel_err']:.1e} | "
               + (f"{r['csl_ms']:.4f} (**{r['csl_speedup']:.2f}x**) | {r['csl_bytes_per_elem']:.3f} | {r['rel_err_csl']:.1e} |"
                  if r.get("csl_ms") else f"- | {r['csl_bytes_per_elem']:.3f} | - |"))
+
+
+def print_formats(rows) -> None:
+    """The three compressed formats side by side: speed vs dense cuBLAS and bytes per weight element."""
+    print("\n| M x K | s | N | dense ms | bitmap x (B/elem) | CSL x (B/elem) | pair x (B/elem) |")
+    print("|---|---|---|---|---|---|---|")
+
+    def cell(x, b):
+        return f"{x:.2f}x ({b:.3f})" if x else f"- ({b:.3f})"
+
+    for r in rows:
+        print(f"| {r['M']}x{r['K']} | {r['sparsity']:.0%} | {r['N']} | {r['dense_ms']:.4f} | "
+              f"{cell(r['speedup'], r['bytes_per_elem'])} | {cell(r.get('csl_speedup'), r['csl_bytes_per_elem'])} | "
+              f"{cell(r.get('pair_speedup'), r['pair_bytes_per_elem'])} |")
 
 
 if __name__ == "__main__":

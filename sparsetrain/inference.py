@@ -27,15 +27,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .kernels._launch import max_tile_len
-from .kernels.spmm_csl import CslWeight
+from .kernels.spmm_csl import CompressedWeight, CslWeight
+from .kernels.spmm_pair import PairWeight
 from .kernels.spmm_infer import BREAK_EVEN_SPARSITY, FORMATS, SparseInferenceWeight, compress, spmm_infer
 
 FORMAT_VERSION = 1
 MODES = ("auto", "compressed", "dense")
 _INDEX = "sparse_index.json"
 _TENSORS = "sparse_model.safetensors"
+_CLASSES = {"bitmap": SparseInferenceWeight, "csl": CslWeight, "pair": PairWeight}
 _STORED = {"bitmap": ("bitmap", "values", "row_offsets", "tile_offsets"),
-           "csl": ("values", "locs", "sub_offsets", "tile_offsets")}
+           "csl": ("values", "locs", "sub_offsets", "tile_offsets"),
+           "pair": ("bitmap", "values", "row_offsets", "tile_offsets")}
 
 
 def weight_sparsity(weight: Tensor) -> float:
@@ -51,7 +54,7 @@ class SparseInferenceLinear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: Tensor | None = None,
-                 compressed: SparseInferenceWeight | CslWeight | None = None, dense_weight: Tensor | None = None):
+                 compressed: CompressedWeight | None = None, dense_weight: Tensor | None = None):
         super().__init__()
         if (compressed is None) == (dense_weight is None):
             raise ValueError("give exactly one of compressed and dense_weight")
@@ -82,7 +85,7 @@ class SparseInferenceLinear(nn.Module):
             self._max_tile_len = None
             self._max_tile_len = max_tile_len(self.compressed_weight())
 
-    def compressed_weight(self) -> SparseInferenceWeight | CslWeight:
+    def compressed_weight(self) -> CompressedWeight:
         """The compressed weight as a kernel argument; a view of this module's buffers, rebuilt only when
         they are replaced (``.to()``, ``.half()``, ``load_state_dict``)."""
         bufs = tuple(getattr(self, name) for name in _STORED[self.fmt])
@@ -90,11 +93,7 @@ class SparseInferenceLinear(nn.Module):
         if cached is not None and all(a is b for a, b in zip(cached[0], bufs)):
             return cached[1]
         shape = (self.out_features, self.in_features)
-        if self.fmt == "csl":
-            w = CslWeight(self.values, self.locs, self.sub_offsets, self.tile_offsets, shape)
-        else:
-            w = SparseInferenceWeight(self.bitmap, self.values, self.row_offsets, self.tile_offsets, shape,
-                                      self.block_m)
+        w = _CLASSES[self.fmt].from_tensors(dict(zip(_STORED[self.fmt], bufs)), shape)
         if self._max_tile_len is not None:
             w._max_tile_len = self._max_tile_len
         self.__dict__["_cw"] = (bufs, w)
@@ -110,7 +109,8 @@ class SparseInferenceLinear(nn.Module):
         - ``mode="compressed"``: always (memory first: 3-5x smaller weights, slower than cuBLAS on Hopper);
         - ``mode="dense"``: never.
 
-        ``fmt``: the compressed format, "bitmap", "csl" or "auto" (the one with fewer bytes; see ``compress``).
+        ``fmt``: the compressed format, "bitmap", "csl", "pair" (more bytes, faster decode) or "auto" (the one of
+        bitmap and CSL with fewer bytes; see ``compress``).
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
@@ -289,7 +289,7 @@ def load_sparse(model_or_factory: nn.Module | Callable[[], nn.Module], out_dir: 
         if fmt not in _STORED:
             raise ValueError(f"{out_dir}: layer {name} has unknown format {fmt!r}")
         stored = {part: tensors[f"{name}.{part}"] for part in _STORED[fmt]}
-        weight = (CslWeight if fmt == "csl" else SparseInferenceWeight).from_tensors(stored, (m, k))
+        weight = _CLASSES[fmt].from_tensors(stored, (m, k))
         _set_module(model, name, SparseInferenceLinear(k, m, tensors.get(f"{name}.bias"), compressed=weight))
     model.load_state_dict(tensors, strict=True)
     return model.to(device) if device is not None else model

@@ -184,6 +184,24 @@ def test_save_load_sparse_mixes_bitmap_and_csl_layers(tmp_path):
     assert torch.equal(loaded[0].to_linear().weight, w0)
 
 
+def test_save_load_sparse_pair_format(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 96))
+    _prune_(model[0], 0.9)
+    _prune_(model[2], 0.7)
+    x = torch.randn(3, 64)
+    expected = model(x)
+    w2 = model[2].weight.detach().clone()
+    to_inference(model, mode="compressed", fmt="pair")
+    assert model[0].fmt == model[2].fmt == "pair"
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    save_sparse(model, str(tmp_path))
+    loaded = load_sparse(lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 96)), str(tmp_path))
+    assert loaded[0].fmt == loaded[2].fmt == "pair"
+    torch.testing.assert_close(loaded(x), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(loaded[2].to_linear().weight, w2)
+
+
 def test_layer_forward_does_not_recompute_tile_lengths(monkeypatch):
     """The CUDA kernels need the longest tile's length; a layer computes it once, not per call (a per-call
     device sync would also break CUDA-graph capture)."""

@@ -288,3 +288,85 @@ def test_gpu_csl_kernel_empty_and_dense_tiles():
     c = sc.compress_csl(w)
     x = torch.randn(7, 1024, device="cuda").half()
     assert _rel_err(sc.spmm_csl_cuda(x, c), sc.spmm_csl_reference(x, c)) < 2e-3
+
+
+# ---------------------------------------------------------------- pair bitmap (spmm_pair)
+from sparsetrain.kernels import spmm_pair as sp  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(130, 70), (128, 64), (37, 201), (300, 129)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.9, 1.0])
+def test_pair_round_trip_is_exact_and_bytes_match_formula(dtype, shape, sparsity):
+    w = _sparse(*shape, sparsity, dtype)
+    c = compress(w, fmt="pair")
+    assert isinstance(c, sp.PairWeight) and c.fmt == "pair"
+    assert torch.equal(c.to_dense(), w)
+    assert c.nnz == int((w != 0).sum())
+    n_pairs = sp.nonzero_pairs(w)
+    assert c.values.numel() == 2 * n_pairs
+    assert c.nbytes() == sp.pair_bytes(*shape, n_pairs, w.element_size())
+    assert c.bitmap.dtype == torch.int32 and c.row_offsets.dtype == torch.int16
+    again = sp.PairWeight.from_tensors(c.tensors(), c.shape)
+    assert torch.equal(again.to_dense(), w)
+
+
+def test_pair_bitmap_bits_and_offsets_by_hand():
+    w = torch.zeros(128, 64)
+    w[0, 1] = 1.0    # pair 0 of row 0
+    w[0, 62] = 2.0   # pair 31 of row 0: the sign bit of the int32 word
+    w[1, 4] = 3.0    # pair 2 of row 1
+    w[1, 5] = 4.0
+    c = sp.compress_pair(w)
+    assert c.values.tolist() == [0.0, 1.0, 2.0, 0.0, 3.0, 4.0]
+    assert int(c.bitmap[0, 0, 0]) == 1 - 2**31  # bits 0 and 31
+    assert int(c.bitmap[0, 0, 1]) == 4
+    assert c.row_offsets[0, 0, :3].tolist() == [0, 4, 6]
+
+
+def test_spmm_infer_with_pair_weight_matches_reference():
+    w = _sparse(200, 300, 0.8, torch.float16)
+    c = compress(w, fmt="pair")
+    x = torch.randn(5, 300).half()
+    b = torch.randn(200).half()
+    assert _rel_err(spmm_infer(x, c, b), spmm_reference(x, c, b)) < 1e-3
+    assert _rel_err(spmm_reference(x, c, b), spmm_reference(x, compress(w), b)) < 1e-6
+
+
+def test_pair_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="weight"):
+        sp.compress_pair(torch.zeros(3))
+    with pytest.raises(TypeError, match="dtype"):
+        sp.compress_pair(torch.zeros(4, 4, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(4096, 4160), (1000, 3001), (384, 200)])
+@pytest.mark.parametrize("sparsity", [0.5, 0.95])
+def test_gpu_pair_kernel_matches_reference(dtype, m, k, sparsity):
+    w = _sparse(m, k, sparsity, dtype, "cuda")
+    c = sp.compress_pair(w)
+    assert sp.cuda_usable(torch.zeros(1, k, device="cuda", dtype=dtype), c)
+    bias = torch.randn(m, device="cuda").to(dtype)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    for n in (1, 5, 16, 33, 64):
+        x = torch.randn(n, k, device="cuda").to(dtype)
+        ref = spmm_reference(x, c, bias)
+        for split in (None, 1, 3):
+            for _ in range(2):  # the second call checks the split-K workspace came back to zero
+                assert _rel_err(sp.spmm_pair_cuda(x, c, bias, split_k=split), ref) < tol, (n, split)
+        xv = torch.randn(n, k + 3, device="cuda").to(dtype)[:, 1:k + 1]
+        assert _rel_err(sp.spmm_pair_cuda(xv, c), spmm_reference(xv, c)) < tol
+    assert _rel_err(spmm_infer(x, c, bias), ref) < tol  # spmm_infer dispatches PairWeight to it
+
+
+@pytest.mark.gpu
+def test_gpu_pair_kernel_empty_and_dense_tiles():
+    w = _sparse(1024, 1024, 0.95, torch.float16, "cuda")
+    w[:128] = 0
+    w[:, -64:] = 0
+    w[128:256, :64] = torch.randn(128, 64, device="cuda").half()
+    c = sp.compress_pair(w)
+    x = torch.randn(7, 1024, device="cuda").half()
+    assert _rel_err(sp.spmm_pair_cuda(x, c), spmm_reference(x, c)) < 2e-3

@@ -78,6 +78,7 @@ _LL, _I = ctypes.c_longlong, ctypes.c_int
 SIGNATURES = {
     "sparsetrain_spmm_bitmap": [_LL] * 10 + [_I] * 11 + [_LL],
     "sparsetrain_spmm_csl": [_LL] * 10 + [_I] * 11 + [_LL],
+    "sparsetrain_spmm_pair": [_LL] * 10 + [_I] * 11 + [_LL],
 }
 _FAST: dict[tuple, ctypes.CDLL | None] = {}  # (name, device index, defines) -> library: the per-call lookup
 

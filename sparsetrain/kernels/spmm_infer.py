@@ -41,8 +41,10 @@ from sparsetrain.kernels.spmm_csl import (
     spmm_csl_cuda,
 )
 from sparsetrain.kernels.spmm_csl import cuda_usable as csl_cuda_usable
+from sparsetrain.kernels.spmm_pair import PairWeight, compress_pair, spmm_pair_cuda
+from sparsetrain.kernels.spmm_pair import cuda_usable as pair_cuda_usable
 
-FORMATS = ("bitmap", "csl", "auto")
+FORMATS = ("bitmap", "csl", "pair", "auto")
 
 BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_K = 64  # columns per tile: one 64-bit bitmap word per tile row (fixed by the kernel)
@@ -152,10 +154,10 @@ def _to_dense_torch(w: SparseInferenceWeight) -> Tensor:
     return dense[:m, :k].contiguous()
 
 
-def compress(weight: Tensor, block_m: int = 128, fmt: str = "bitmap") -> SparseInferenceWeight | CslWeight:
-    """Builds the bitmap format (``fmt="bitmap"``), the tiled CSL format (``"csl"``, :mod:`spmm_csl`), or
-    whichever stores fewer bytes (``"auto"``: CSL above ~82% sparsity) of a 2-D weight on its own device; exact
-    zeros are dropped.
+def compress(weight: Tensor, block_m: int = 128, fmt: str = "bitmap") -> CompressedWeight:
+    """Builds the bitmap format (``fmt="bitmap"``), the tiled CSL format (``"csl"``, :mod:`spmm_csl`), the pair
+    bitmap (``"pair"``, :mod:`spmm_pair`: more bytes, faster decode), or whichever of bitmap and CSL stores fewer
+    bytes (``"auto"``: CSL above ~82% sparsity) of a 2-D weight on its own device; exact zeros are dropped.
 
     Example: ``cw = compress(linear.weight.detach()); cw.to_dense().equal(linear.weight)`` is True.
     """
@@ -169,6 +171,8 @@ def compress(weight: Tensor, block_m: int = 128, fmt: str = "bitmap") -> SparseI
         fmt = "csl" if smaller else "bitmap"
     if fmt == "csl":
         return compress_csl(weight)
+    if fmt == "pair":
+        return compress_pair(weight)
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2:
@@ -205,7 +209,7 @@ def spmm_reference(x: Tensor, weight: SparseInferenceWeight, bias: Tensor | None
 
     Example: ``spmm_reference(torch.randn(4, 64), compress(torch.randn(32, 64)))`` has shape ``[4, 32]``.
     """
-    dense = _to_dense_torch(weight).float()
+    dense = (_to_dense_torch(weight) if isinstance(weight, SparseInferenceWeight) else weight.to_dense()).float()
     y = x.float() @ dense.t()
     if bias is not None:
         y = y + bias.float()
@@ -216,9 +220,9 @@ def _use_triton(t: Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _check(x: Tensor, weight: SparseInferenceWeight | CslWeight, bias: Tensor | None) -> None:
-    if not isinstance(weight, (SparseInferenceWeight, CslWeight)):
-        raise TypeError(f"weight must be a SparseInferenceWeight or CslWeight (see compress), "
+def _check(x: Tensor, weight: CompressedWeight, bias: Tensor | None) -> None:
+    if not isinstance(weight, (SparseInferenceWeight, CslWeight, PairWeight)):
+        raise TypeError(f"weight must be a SparseInferenceWeight, CslWeight or PairWeight (see compress), "
                         f"got {type(weight).__name__}")
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -301,7 +305,7 @@ class _SpmmInferFn(torch.autograd.Function):
     """Forward through the compressed weight; backward gives dX (and d bias) through a transient dense W."""
 
     @staticmethod
-    def forward(ctx, x2: Tensor, bias: Tensor | None, weight: SparseInferenceWeight | CslWeight) -> Tensor:
+    def forward(ctx, x2: Tensor, bias: Tensor | None, weight: CompressedWeight) -> Tensor:
         if ctx is not None:
             ctx.weight = weight
             ctx.has_bias = bias is not None
@@ -309,6 +313,10 @@ class _SpmmInferFn(torch.autograd.Function):
             if x2.is_cuda and csl_cuda_usable(x2, weight):
                 return spmm_csl_cuda(x2, weight, bias)
             return F.linear(x2, weight.to_dense(), bias)  # no GPU kernel here (or prefill): expand, cuBLAS
+        if isinstance(weight, PairWeight):
+            if x2.is_cuda and pair_cuda_usable(x2, weight):
+                return spmm_pair_cuda(x2, weight, bias)
+            return F.linear(x2, weight.to_dense(), bias)
         if x2.is_cuda and cuda_kernel_usable(x2, weight):
             return spmm_cuda(x2, weight, bias)
         if _use_triton(x2) and x2.shape[0] <= MAX_TOKENS:
@@ -323,7 +331,7 @@ class _SpmmInferFn(torch.autograd.Function):
         return grad_x, grad_b, None
 
 
-def spmm_infer(x: Tensor, weight: SparseInferenceWeight | CslWeight, bias: Tensor | None = None) -> Tensor:
+def spmm_infer(x: Tensor, weight: CompressedWeight, bias: Tensor | None = None) -> Tensor:
     """``x @ W.T + bias`` for any leading dims of ``x [..., K]``, with W compressed.
 
     N = prod(leading dims) <= 64 runs the sparse kernel; larger N (and CPU without the Triton interpreter)
