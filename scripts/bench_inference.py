@@ -219,12 +219,12 @@ def cuda_waves_sweep() -> list[dict]:
             w = random_sparse(m, k, s)
             x = torch.randn(16, k, device=DEV, dtype=torch.float16)
             dense = bench(lambda x=x, w=w: F.linear(x, w))
-            for kind, cw in (("bitmap", si.compress(w)), ("csl", sc.compress_csl(w))):
-                copies = [cw] + [type(cw).from_tensors({a: b.clone() for a, b in cw.tensors().items()}, cw.shape)
-                                 for _ in range(n_copies(cw.nbytes()) - 1)]
-                fn = si.spmm_cuda if kind == "bitmap" else sc.spmm_csl_cuda
+            for kind, cw in (("bitmap", si.compress(w)), ("csl", sc.compress_csl(w)), ("pair", sp.compress_pair(w))):
+                copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
+                fn = {"bitmap": si.spmm_cuda, "csl": sc.spmm_csl_cuda, "pair": sp.spmm_pair_cuda}[kind]
                 ref = si.spmm_reference(x, si.compress(w))
-                for defines in variants:
+                extra = [("SPT_PAIR_LUT=0",)] if kind == "pair" else []
+                for defines in variants + extra:
                     err = rel_err(fn(x, cw, defines=defines), ref)
                     for waves in (4, 8, 16):
                         t = bench(Rotating(copies, lambda c, x=x, wv=waves, d=defines, f=fn: f(x, c, waves=wv,

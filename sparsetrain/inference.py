@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from .kernels._launch import max_tile_len
 from .kernels.spmm_csl import CompressedWeight, CslWeight
-from .kernels.spmm_pair import PairWeight
 from .kernels.spmm_infer import BREAK_EVEN_SPARSITY, FORMATS, SparseInferenceWeight, compress, spmm_infer
+from .kernels.spmm_pair import PairWeight
 
 FORMAT_VERSION = 1
 MODES = ("auto", "compressed", "dense")
