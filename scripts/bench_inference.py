@@ -223,7 +223,7 @@ def cuda_waves_sweep() -> list[dict]:
                 copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
                 fn = {"bitmap": si.spmm_cuda, "csl": sc.spmm_csl_cuda, "pair": sp.spmm_pair_cuda}[kind]
                 ref = si.spmm_reference(x, si.compress(w))
-                extra = [("SPT_PAIR_LUT=0",)] if kind == "pair" else []
+                extra = [("SPT_PAIR_LUT=1",)] if kind == "pair" else []
                 for defines in variants + extra:
                     err = rel_err(fn(x, cw, defines=defines), ref)
                     for waves in (4, 8, 16):

@@ -22,9 +22,10 @@ constexpr int BK = 64;        // columns per tile (32 pairs: one 32-bit bitmap w
 constexpr int THREADS = 128;  // 4 warps x 32 rows each (two m16 fragments)
 constexpr int XS_STRIDE = BK + 4;  // as in spmm_bitmap.cu: conflict-free 8-byte fragment loads
 
-// 1: a pair's rank from a 256-entry table (one PRMT); 0: mask + POPC + shift (build-time variant, benchmarked).
+// 0 (default): a pair's rank by mask + POPC; 1: from a 256-entry table (one PRMT). Measured on an H200 (N = 16,
+// 90%, bench_inference.py --cuda-waves, 2026-11-21): the table was 6-10% slower (its loads sit on the critical path).
 #ifndef SPT_PAIR_LUT
-#define SPT_PAIR_LUT 1
+#define SPT_PAIR_LUT 0
 #endif
 
 struct Args : SkinnyArgs {    // n_values, tile_off: in halves (always even)
@@ -83,8 +84,9 @@ __global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SP
   const uint32_t before_mask = (1u << (8 * t)) - 1u;  // pairs of the lanes t' < t in a bitmap word
   // LUT of a lane's 8 pair bits -> byte p = 4 x (stored pairs before pair p): one PRMT per pair instead of a
   // mask + POPC + multiply. (Read only after the first tile's __syncthreads below.)
+#if SPT_PAIR_LUT
   __shared__ uint2 lut[256];
-  if (SPT_PAIR_LUT) for (int h = threadIdx.x; h < 256; h += THREADS) {
+  for (int h = threadIdx.x; h < 256; h += THREADS) {
     uint32_t lo = 0, hi = 0;
 #pragma unroll
     for (int p = 0; p < 8; ++p) {
@@ -93,6 +95,7 @@ __global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SP
     }
     lut[h] = make_uint2(lo, hi);
   }
+#endif
 
   float acc[2][NT][4];
 #pragma unroll
