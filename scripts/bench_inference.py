@@ -237,6 +237,36 @@ def cuda_waves_sweep() -> list[dict]:
     return res
 
 
+def split_sweep() -> list[dict]:
+    """Time of the CUDA kernels against the split-K factor (CTAs = row tiles x split) at 90%, N = 16 and 64:
+    how the launch should fill the GPU (a split that leaves a small last wave of CTAs costs a whole wave)."""
+    res = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for (m, k) in [(28672, 7168), (4096, 14336), (14336, 4096), (7168, 28672)]:
+        w = random_sparse(m, k, 0.9)
+        for kind, cw, fn in (("pair", sp.compress_pair(w), sp.spmm_pair_cuda), ("bitmap", si.compress(w), si.spmm_cuda)):
+            copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
+            tm, tk = cw.tile_offsets.shape
+            for n in (16, 64):
+                x = torch.randn(n, k, device=DEV, dtype=torch.float16)
+                dense = bench(lambda x=x, w=w: F.linear(x, w))
+                splits = sorted({s for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
+                                 if s <= tk} | {math.ceil(8 * sms / tm), max(1, 8 * sms // tm)})
+                for split in splits:
+                    t = bench(Rotating(copies, lambda c, x=x, sk=split, f=fn: f(x, c, split_k=sk)))
+                    tps = math.ceil(tk / split)
+                    res.append({"kernel": kind, "M": m, "K": k, "N": n, "split_k": split, "ctas": tm * math.ceil(tk / tps),
+                                "tiles_per_cta": tps, "ms": t, "dense_ms": dense, "speedup": dense / t})
+                best = min((r for r in res if r["kernel"] == kind and r["M"] == m and r["K"] == k and r["N"] == n),
+                           key=lambda r: r["ms"])
+                print(f"  {kind} {m}x{k} N={n}: best split {best['split_k']} ({best['ctas']} CTAs, "
+                      f"{best['tiles_per_cta']} tiles each) {best['speedup']:.2f}x; "
+                      + " ".join(f"{r['split_k']}:{r['speedup']:.2f}" for r in res
+                                 if r["kernel"] == kind and r["M"] == m and r["K"] == k and r["N"] == n), flush=True)
+            del copies
+    return res
+
+
 def sweep(args) -> dict:
     """Launch configurations (block_m, num_warps, num_stages, waves) at N = 16, 80% sparsity; then the
     default configuration across sparsities, to see whether time follows bytes or decoded elements."""
@@ -287,6 +317,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="launch-configuration sweep instead of the table")
     ap.add_argument("--no-csr", action="store_true")
     ap.add_argument("--cuda-waves", action="store_true", help="also sweep the CUDA kernel's split-K target")
+    ap.add_argument("--split-sweep", action="store_true", help="only time the CUDA kernels against split-K")
     ap.add_argument("--profile", choices=["triton", "cuda", "csl", "pair"],
                     help="only launch that kernel 5 times (28672x7168, N=16), e.g. under ncu")
     ap.add_argument("--profile-sparsity", type=float, default=0.9)
@@ -306,6 +337,10 @@ def main() -> None:
             fn()
         return
     info = env()
+    if args.split_sweep:
+        info["split_sweep"] = split_sweep()
+        save(args.out, "bench_split.json", info)
+        return
     info["copy_TBps"] = copy_bandwidth()
     print(json.dumps(info))
     info["correctness"] = correctness()
