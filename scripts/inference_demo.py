@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--sparsity", type=float, default=0.8)
+    ap.add_argument("--fmt", default="auto", choices=["auto", "bitmap", "csl", "pair"],
+                    help="compressed format of the sparse model's linears (see sparsetrain.kernels.spmm_infer)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512, help="tokens per sequence for scoring")
     ap.add_argument("--gen-prompt", type=int, default=16, help="prompt tokens before generation")
@@ -126,7 +128,7 @@ def main() -> None:
     t0 = time.perf_counter()
     sparse = copy.deepcopy(dense)
     with torch.no_grad():
-        sparse, swaps = to_inference(sparse, min_sparsity=0.5, mode="compressed")
+        sparse, swaps = to_inference(sparse, min_sparsity=0.5, mode="compressed", fmt=args.fmt)
     sync()
     convert_s = time.perf_counter() - t0
     dense_lin_bytes = sum(s.dense_bytes for s in swaps)
