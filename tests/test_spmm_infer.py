@@ -311,6 +311,16 @@ def test_pair_round_trip_is_exact_and_bytes_match_formula(dtype, shape, sparsity
     assert torch.equal(again.to_dense(), w)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(130, 70), (256, 128), (37, 201)])
+def test_pair_decode_kernel_matches_torch_decode(dtype, shape):
+    w = _sparse(*shape, 0.8, dtype)
+    w[0, 62] = 1.5  # pair 31 (the int32 sign bit)
+    c = sp.compress_pair(w)
+    assert torch.equal(c.to_dense(use_kernel=True), w)  # Triton interpreter on a CPU
+    assert torch.equal(c.to_dense(use_kernel=False), w)
+
+
 def test_pair_bitmap_bits_and_offsets_by_hand():
     w = torch.zeros(128, 64)
     w[0, 1] = 1.0    # pair 0 of row 0
@@ -370,3 +380,8 @@ def test_gpu_pair_kernel_empty_and_dense_tiles():
     c = sp.compress_pair(w)
     x = torch.randn(7, 1024, device="cuda").half()
     assert _rel_err(sp.spmm_pair_cuda(x, c), spmm_reference(x, c)) < 2e-3
+    for dtype in (torch.float16, torch.bfloat16):  # the Triton decode (prefill path) on the device
+        wd = w.to(dtype)
+        assert torch.equal(sp.compress_pair(wd).to_dense(), wd)
+    x = torch.randn(100, 1024, device="cuda").half()  # > 64 tokens: decode + cuBLAS
+    assert _rel_err(spmm_infer(x, c), spmm_reference(x, c)) < 2e-3

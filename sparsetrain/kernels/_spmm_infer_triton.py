@@ -218,3 +218,34 @@ def decode_bitmap_kernel(
     cols = kt * 64 + tl.arange(0, 64)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], w,
              mask=(rows[:, None] < M) & (cols[None, :] < K))
+
+
+@triton.jit
+def decode_pair_kernel(
+    bitmap_ptr,    # int32 [TM, TK, BM]: bit p of a row = pair p (columns 2p, 2p + 1) stored
+    row_off_ptr,   # int16 [TM, TK, BM]: each row's first value relative to its tile's first
+    values_ptr,    # stored pairs (spmm_pair.PairWeight.values)
+    tile_off_ptr,  # int32 [TM, TK]: first value of each tile
+    out_ptr,       # [M, K] dense output, row stride stride_om, unit column stride; every element written
+    M, K, stride_om, num_k_tiles,
+    BM: tl.constexpr,
+):
+    """Expands a pair-bitmap weight to dense, one program per 128 x 64 tile (prefill: N > 64 tokens)."""
+    pid_m = tl.program_id(0)
+    kt = tl.program_id(1)
+    tile = pid_m * num_k_tiles + kt
+    start = tl.load(tile_off_ptr + tile).to(tl.int64)
+    r = tl.arange(0, BM)
+    word = tl.load(bitmap_ptr + tile * BM + r)
+    row_off = tl.load(row_off_ptr + tile * BM + r).to(tl.int64)
+    bits = (word[:, None] >> tl.arange(0, 32)[None, :]) & 1  # [BM, 32]
+    rank = tl.cumsum(bits, axis=1) - bits                    # stored pairs before pair p in its row
+    idx = start + row_off[:, None] + 2 * rank.to(tl.int64)
+    present = bits != 0
+    lo = tl.load(values_ptr + idx, mask=present, other=0.0)
+    hi = tl.load(values_ptr + idx + 1, mask=present, other=0.0)
+    w = tl.interleave(lo, hi)  # [BM, 64]: column 2p = lo, 2p + 1 = hi
+    rows = pid_m * BM + r
+    cols = kt * 64 + tl.arange(0, 64)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], w,
+             mask=(rows[:, None] < M) & (cols[None, :] < K))

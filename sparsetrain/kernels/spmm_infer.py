@@ -209,7 +209,13 @@ def spmm_reference(x: Tensor, weight: SparseInferenceWeight, bias: Tensor | None
 
     Example: ``spmm_reference(torch.randn(4, 64), compress(torch.randn(32, 64)))`` has shape ``[4, 32]``.
     """
-    dense = (_to_dense_torch(weight) if isinstance(weight, SparseInferenceWeight) else weight.to_dense()).float()
+    if isinstance(weight, SparseInferenceWeight):
+        dense = _to_dense_torch(weight)
+    elif isinstance(weight, PairWeight):
+        dense = weight.to_dense(use_kernel=False)
+    else:
+        dense = weight.to_dense()
+    dense = dense.float()
     y = x.float() @ dense.t()
     if bias is not None:
         y = y + bias.float()

@@ -67,9 +67,19 @@ class PairWeight(CompressedWeight):
         return cls(tensors["bitmap"], tensors["values"], tensors["row_offsets"], tensors["tile_offsets"],
                    (int(shape[0]), int(shape[1])))
 
-    def to_dense(self) -> Tensor:
-        """The exact ``[M, K]`` weight (plain torch)."""
+    def to_dense(self, use_kernel: bool | None = None) -> Tensor:
+        """The exact ``[M, K]`` weight: the Triton decode kernel (default on CUDA; what prefill calls, more than
+        64 tokens) or plain torch."""
+        if use_kernel is None:
+            use_kernel = self.values.is_cuda
         m, k = self.shape
+        if use_kernel:
+            from ._spmm_infer_triton import decode_pair_kernel
+            out = torch.empty(m, k, dtype=self.dtype, device=self.device)
+            tm, tk = self.tile_offsets.shape
+            decode_pair_kernel[(tm, tk)](self.bitmap, self.row_offsets, self.values, self.tile_offsets, out,
+                                         m, k, out.stride(0), tk, BM=TILE_M, num_warps=4)
+            return out
         tm, tk = self.tile_offsets.shape
         shifts = torch.arange(PAIRS, device=self.device, dtype=torch.int32)
         present = ((self.bitmap.unsqueeze(-1) >> shifts) & 1).bool()  # [TM, TK, 128, 32]
