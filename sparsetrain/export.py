@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: the newest)")
     p.add_argument("--min-sparsity", type=float, default=0.5,
                    help="sparse format: layers with fewer zeros stay dense")
+    p.add_argument("--layer-format", choices=("auto", "bitmap", "csl", "pair"), default="auto",
+                   help="sparse format: compressed layout of each layer (auto: fewest bytes; pair: fastest decode)")
     a = p.parse_args(argv)
     try:
         model = load_trained_model(a.run_dir, a.checkpoint)
@@ -70,6 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.format == "hf":
         inference.export_hf(model, out)
     else:
-        inference.save_sparse(model, out, min_sparsity=a.min_sparsity)
+        inference.save_sparse(model, out, min_sparsity=a.min_sparsity, fmt=a.layer_format)
     print(f"wrote {a.format} export to {out}")
     return 0

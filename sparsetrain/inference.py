@@ -222,17 +222,18 @@ def export_hf(model: nn.Module, out_dir: str) -> None:
     model.save_pretrained(out_dir)
 
 
-def save_sparse(model: nn.Module, out_dir: str, min_sparsity: float = 0.5) -> list[LayerSwap]:
+def save_sparse(model: nn.Module, out_dir: str, min_sparsity: float = 0.5, fmt: str = "auto") -> list[LayerSwap]:
     """Writes a compressed checkpoint: ``sparse_model.safetensors`` (the compressed layers' bitmaps, values
     and offsets + every other tensor of the state dict), ``sparse_index.json`` (which layers are compressed,
     their shapes) and, for transformers models, ``config.json``.
 
     Plain ``nn.Linear`` layers with sparsity >= ``min_sparsity`` are compressed first (in place, through
-    :func:`to_inference` with ``mode="compressed"``: a checkpoint is about size). Returns the swaps made now.
+    :func:`to_inference` with ``mode="compressed"`` and ``fmt``: a checkpoint is about size, so "auto" keeps each
+    layer's smallest format). Returns the swaps made now.
     """
     from safetensors.torch import save_file
 
-    _, swaps = to_inference(model, min_sparsity=min_sparsity, mode="compressed")
+    _, swaps = to_inference(model, min_sparsity=min_sparsity, mode="compressed", fmt=fmt)
     os.makedirs(out_dir, exist_ok=True)
     layers = {name: {"shape": [m.out_features, m.in_features], "block_m": m.block_m, "fmt": m.fmt}
               for name, m in model.named_modules()

@@ -155,6 +155,7 @@ def test_export_hf_and_sparse_round_trip(quickstart_run, tmp_path):
     d, _ = quickstart_run
     cli("export", str(d), "--format", "hf", "--out", str(tmp_path / "hf"))
     cli("export", str(d), "--format", "sparse", "--out", str(tmp_path / "sparse"))
+    cli("export", str(d), "--format", "sparse", "--layer-format", "pair", "--out", str(tmp_path / "pair"))
     trained = load_trained_model(d)
     x = torch.randint(5, 1000, (2, 32))
     with torch.no_grad():
@@ -165,6 +166,9 @@ def test_export_hf_and_sparse_round_trip(quickstart_run, tmp_path):
         assert (w == 0).float().mean().item() == pytest.approx(0.9, abs=0.002)     # the trained 90% sparsity
         sparse = load_sparse(lambda: BertForMaskedLM(hf.config), str(tmp_path / "sparse")).eval()
         torch.testing.assert_close(sparse(input_ids=x).logits, ref, rtol=1e-3, atol=1e-3)
+        pair = load_sparse(lambda: BertForMaskedLM(hf.config), str(tmp_path / "pair")).eval()
+        assert pair.bert.encoder.layer[0].intermediate.dense.fmt == "pair"
+        torch.testing.assert_close(pair(input_ids=x).logits, ref, rtol=1e-3, atol=1e-3)
     r = cli("export", str(tmp_path), check=False)
     assert r.returncode == 2 and "not a sparsetrain run directory" in r.stderr
 

@@ -192,10 +192,9 @@ def test_save_load_sparse_pair_format(tmp_path):
     x = torch.randn(3, 64)
     expected = model(x)
     w2 = model[2].weight.detach().clone()
-    to_inference(model, mode="compressed", fmt="pair")
+    save_sparse(model, str(tmp_path), fmt="pair")
     assert model[0].fmt == model[2].fmt == "pair"
     torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
-    save_sparse(model, str(tmp_path))
     loaded = load_sparse(lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 96)), str(tmp_path))
     assert loaded[0].fmt == loaded[2].fmt == "pair"
     torch.testing.assert_close(loaded(x), expected, rtol=1e-5, atol=1e-5)
