@@ -116,3 +116,27 @@ def launch_cuda(fn, name: str, format_ptrs: tuple[int, int, int], weight, x2: Te
     if rc != 0:
         raise RuntimeError(f"{name} CUDA launch failed with code {rc}")
     return run.y
+
+
+def cuda_usable(x2: Tensor, weight, lib: str) -> bool:
+    """Whether the ``csrc/<lib>.cu`` skinny-SpMM kernel takes this call: CUDA, fp16/bf16, 1..64 tokens, the
+    weight's tensors 16-byte aligned, the library built."""
+    if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or not 1 <= x2.shape[0] <= MAX_TOKENS
+            or not aligned(weight)):
+        return False
+    from . import _cuda
+    return _cuda.load(lib, x2.device) is not None
+
+
+def run_cuda(lib: str, format_ptrs: tuple[int, int, int], weight, x2: Tensor, bias: Tensor | None,
+             split_k: int | None, waves: float, defines: tuple[str, ...] = ()) -> Tensor:
+    """Loads ``csrc/<lib>.cu`` (built on first use), checks X's dtype against the weight's and launches its
+    ``sparsetrain_<lib>`` entry point through :func:`launch_cuda`."""
+    from . import _cuda
+
+    so = _cuda.load(lib, x2.device, defines)
+    if so is None:
+        raise RuntimeError(f"the CUDA kernel {lib} is unavailable here (no nvcc or no GPU)")
+    if x2.dtype != weight.dtype:
+        raise TypeError(f"x dtype {x2.dtype} differs from the weight dtype {weight.dtype}")
+    return launch_cuda(getattr(so, f"sparsetrain_{lib}"), lib, format_ptrs, weight, x2, bias, split_k, waves)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels._launch import MAX_TOKENS, aligned, launch_cuda
+from sparsetrain.kernels import _launch
 
 TILE_M, TILE_K, SUB = 128, 64, 16
 N_SUB = (TILE_M // SUB) * (TILE_K // SUB)  # 32 sub-tiles per tile
@@ -166,26 +166,15 @@ def bitmap_bytes(m: int, k: int, nnz: int, elem: int = 2, block_m: int = 128) ->
 
 def cuda_usable(x2: Tensor, weight: CslWeight) -> bool:
     """Whether :func:`spmm_csl_cuda` takes this call (CUDA, fp16/bf16, 1..64 tokens, aligned tensors, built)."""
-    if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or not 1 <= x2.shape[0] <= MAX_TOKENS
-            or not aligned(weight)):
-        return False
-    from . import _cuda
-    return _cuda.load("spmm_csl", x2.device) is not None
+    return _launch.cuda_usable(x2, weight, "spmm_csl")
 
 
 def spmm_csl_cuda(x2: Tensor, weight: CslWeight, bias: Tensor | None = None, split_k: int | None = None,
                   waves: int | None = None, defines: tuple[str, ...] = ()) -> Tensor:
     """``x2 [N, K] @ Wᵀ (+ bias)`` through ``csrc/spmm_csl.cu``; ``1 <= N <= 64``; returns ``[N, M]``."""
-    from . import _cuda
-
-    lib = _cuda.load("spmm_csl", x2.device, defines)
-    if lib is None:
-        raise RuntimeError("the CUDA csl kernel is unavailable here (no nvcc or no GPU)")
-    if x2.dtype != weight.dtype:
-        raise TypeError(f"x dtype {x2.dtype} differs from the weight dtype {weight.dtype}")
-    return launch_cuda(lib.sparsetrain_spmm_csl, "spmm_csl",
-                       (weight.values.data_ptr(), weight.locs.data_ptr(), weight.sub_offsets.data_ptr()),
-                       weight, x2, bias, split_k, waves or CUDA_WAVES)
+    return _launch.run_cuda("spmm_csl",
+                            (weight.values.data_ptr(), weight.locs.data_ptr(), weight.sub_offsets.data_ptr()),
+                            weight, x2, bias, split_k, waves or CUDA_WAVES, defines)
 
 
 def spmm_csl_reference(x: Tensor, weight: CslWeight, bias: Tensor | None = None) -> Tensor:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsetrain.kernels._launch import MAX_TOKENS, aligned, launch_cuda, split_k_for, workspace
+from sparsetrain.kernels._launch import MAX_TOKENS, cuda_usable, run_cuda, split_k_for, workspace
 from sparsetrain.kernels.spmm_csl import (
     CompressedWeight,
     CslWeight,
@@ -275,12 +275,9 @@ def spmm_triton(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None =
 def cuda_kernel_usable(x2: Tensor, weight: SparseInferenceWeight) -> bool:
     """Whether :func:`spmm_cuda` takes this call: CUDA, fp16/bf16, 128-row tiles, 1..64 tokens, the library
     built (``SPARSETRAIN_SPMM_BACKEND=triton`` forces the Triton kernel)."""
-    if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or weight.block_m != 128
-            or not 1 <= x2.shape[0] <= MAX_TOKENS or os.environ.get("SPARSETRAIN_SPMM_BACKEND") == "triton"
-            or not aligned(weight)):
+    if weight.block_m != 128 or os.environ.get("SPARSETRAIN_SPMM_BACKEND") == "triton":
         return False
-    from . import _cuda
-    return _cuda.load("spmm_bitmap", x2.device) is not None
+    return cuda_usable(x2, weight, "spmm_bitmap")
 
 
 def spmm_cuda(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = None,
@@ -291,16 +288,10 @@ def spmm_cuda(x2: Tensor, weight: SparseInferenceWeight, bias: Tensor | None = N
     source's header says why this beats the Triton kernel). ``split_k``/``waves``/``defines`` (build-time
     variants) exist for the benchmark.
     """
-    from . import _cuda
-
-    lib = _cuda.load("spmm_bitmap", x2.device, defines)
-    if lib is None:
-        raise RuntimeError("the CUDA spmm kernel is unavailable here (see the warning above); use spmm_triton")
     if weight.block_m != 128:
         raise ValueError(f"the CUDA kernel takes 128-row tiles, got block_m={weight.block_m}")
-    return launch_cuda(lib.sparsetrain_spmm_bitmap, "spmm_bitmap",
-                       (weight.bitmap.data_ptr(), weight.row_offsets.data_ptr(), weight.values.data_ptr()),
-                       weight, x2, bias, split_k, waves or CUDA_WAVES)
+    return run_cuda("spmm_bitmap", (weight.bitmap.data_ptr(), weight.row_offsets.data_ptr(), weight.values.data_ptr()),
+                    weight, x2, bias, split_k, waves or CUDA_WAVES, defines)
 
 
 def _next_pow2(n: int) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels._launch import MAX_TOKENS, aligned, launch_cuda
+from sparsetrain.kernels import _launch
 from sparsetrain.kernels.spmm_csl import CompressedWeight
 
 TILE_M, TILE_K = 128, 64
@@ -132,23 +132,12 @@ def nonzero_pairs(weight: Tensor) -> int:
 
 def cuda_usable(x2: Tensor, weight: PairWeight) -> bool:
     """Whether :func:`spmm_pair_cuda` takes this call (CUDA, fp16/bf16, 1..64 tokens, aligned tensors, built)."""
-    if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or not 1 <= x2.shape[0] <= MAX_TOKENS
-            or not aligned(weight)):
-        return False
-    from . import _cuda
-    return _cuda.load("spmm_pair", x2.device) is not None
+    return _launch.cuda_usable(x2, weight, "spmm_pair")
 
 
 def spmm_pair_cuda(x2: Tensor, weight: PairWeight, bias: Tensor | None = None, split_k: int | None = None,
                    waves: int | None = None, defines: tuple[str, ...] = ()) -> Tensor:
     """``x2 [N, K] @ Wᵀ (+ bias)`` through ``csrc/spmm_pair.cu``; ``1 <= N <= 64``; returns ``[N, M]``."""
-    from . import _cuda
-
-    lib = _cuda.load("spmm_pair", x2.device, defines)
-    if lib is None:
-        raise RuntimeError("the CUDA pair kernel is unavailable here (no nvcc or no GPU)")
-    if x2.dtype != weight.dtype:
-        raise TypeError(f"x dtype {x2.dtype} differs from the weight dtype {weight.dtype}")
-    return launch_cuda(lib.sparsetrain_spmm_pair, "spmm_pair",
-                       (weight.bitmap.data_ptr(), weight.row_offsets.data_ptr(), weight.values.data_ptr()),
-                       weight, x2, bias, split_k, waves or CUDA_WAVES)
+    return _launch.run_cuda("spmm_pair",
+                            (weight.bitmap.data_ptr(), weight.row_offsets.data_ptr(), weight.values.data_ptr()),
+                            weight, x2, bias, split_k, waves or CUDA_WAVES, defines)
