@@ -130,7 +130,10 @@ def sec_check(args) -> dict:
     if args.check_all_configs:
         for b in (16, 32, 64, 128):
             mask = make_mask(4096, 1024, b, 0.25, seed=11)
-            for c in bs._DDS_CANDIDATES[b]:
+            from sparsetrain.kernels import _blocksparse_cuda as cuda_dds
+
+            probe = torch.empty(1, 1024, device=DEV, dtype=torch.bfloat16)
+            for c in [*cuda_dds.candidates(probe, b, 4096), *bs._DDS_CANDIDATES[b]]:
                 with bs.forced_config(fwd=c, dx=c):
                     record(f"bf16 b{b} dds {tuple(c)}", _check_one(T, 1024, 4096, b, mask, torch.bfloat16, False))
             for c in bs._DW_CANDIDATES[b]:
@@ -350,6 +353,60 @@ def sec_kernels(args) -> dict:
     return {}
 
 
+def sec_candidates(args) -> dict:
+    """Every forward / input-gradient tile candidate (Triton and the CUDA X-stationary kernel) timed alone on
+    the same inputs, each checked against the fp32 reference, beside dense cuBLAS for the same product."""
+    from sparsetrain.kernels import _blocksparse_cuda as cuda_dds
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bs.POISON_OUTPUTS = True
+    out, T = {}, args.tokens
+    for shp in args.shapes.split(","):
+        I, O = (int(s) for s in shp.split("x"))
+        x = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+        g = torch.randn(T, O, device=DEV, dtype=torch.bfloat16)
+        wd = torch.randn(O, I, device=DEV, dtype=torch.bfloat16)
+        dense = {"fwd": bench(lambda x=x, wd=wd: torch.nn.functional.linear(x, wd)),
+                 "dx": bench(lambda g=g, wd=wd: g @ wd)}
+        for b in (int(s) for s in args.blocks.split(",")):
+            for d in (float(s) for s in args.densities.split(",")):
+                meta = BlockSparseMeta.from_mask(make_mask(O, I, b, d, seed=1).to(DEV), b)
+                v = torch.randn(meta.n_blocks, b, b, device=DEV, dtype=torch.bfloat16) / b**0.5
+                w32 = values_to_dense(v.float(), meta)
+                for kind, a, ref in (("fwd", x, x.float() @ w32.t()), ("dx", g, g.float() @ w32)):
+                    cands = [*cuda_dds.candidates(a, b, a.shape[1]), *bs._DDS_CANDIDATES[b]]
+                    rows = []
+                    for c in cands:
+                        try:
+                            with bs.forced_config(**{kind: c}):
+                                o = bs._dds(a, v, meta, None, forward=kind == "fwd")
+                                err = rel(o, ref)
+                                bs.POISON_OUTPUTS = False
+                                ms = bench(lambda a=a, v=v, m=meta, f=kind == "fwd": bs._dds(a, v, m, None, forward=f))
+                                bs.POISON_OUTPUTS = True
+                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: next candidate
+                            bs.POISON_OUTPUTS = True
+                            rows.append({"cfg": repr(c), "error": repr(e)[:200]})
+                            continue
+                        rows.append({"cfg": repr(c), "cuda": type(c).__name__ == "CudaDdsConfig", "ms": ms,
+                                     "err": err, "vs_dense": dense[kind] / ms})
+                    ok = [r for r in rows if "ms" in r]
+                    bt = min((r for r in ok if not r["cuda"]), key=lambda r: r["ms"], default=None)
+                    bc = min((r for r in ok if r["cuda"]), key=lambda r: r["ms"], default=None)
+                    worst = max((r["err"] for r in ok), default=float("nan"))
+                    out[f"{shp} b{b} d{d} {kind}"] = {"dense_ms": dense[kind], "rows": rows}
+
+                    def fmt(r):
+                        return "-" if r is None else f"{r['ms']:.3f} ms ({r['vs_dense']:.2f}x) {r['cfg']}"
+                    say(f"cand {shp} b{b} d{d} {kind}: dense {dense[kind]:.3f} | triton {fmt(bt)} | cuda {fmt(bc)}"
+                        f" | worst err {worst:.1e}" + ("  FAIL" if not worst < 1e-2 else ""))
+                R["candidates"] = out
+                save()
+    bs.POISON_OUTPUTS = False
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return out
+
+
 def sec_host(args) -> dict:
     """Host (Python + launch) cost per call at a tiny token count, where the GPU work is a few µs and the
     wall time of many back-to-back calls is the host time: ``block_sparse_linear`` forward, forward +
@@ -460,7 +517,7 @@ def save() -> None:
 
 
 SECTIONS = {"env": sec_env, "check": sec_check, "linear": sec_linear, "memory": sec_memory, "bert": sec_bert,
-            "kernels": sec_kernels, "host": sec_host}
+            "kernels": sec_kernels, "host": sec_host, "candidates": sec_candidates}
 
 
 def main() -> None:

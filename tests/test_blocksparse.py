@@ -379,3 +379,68 @@ def test_gpu_cached_plans_repeated_calls(dtype, b, poison, no_tuning):
         for got, ref in ((y, y_ref), (x.grad, dx), (values.grad, dv), (bias.grad, db)):
             assert rel(got, ref) < 1e-2
     assert len(meta._groups["plans"]) == 3 * 2  # fwd, dx, dw at each of the two token counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b", [16, 32])
+@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "dense", "single"])
+def test_gpu_cuda_dds_every_tile(dtype, b, pattern, poison):
+    """Every tile of the CUDA X-stationary kernel (csrc/bs_dds.cu), forward X·Wᵀ and input gradient dY·W, vs
+    the fp32 reference on fresh inputs: token counts that are not a multiple of the tile (and T = 5), empty
+    block rows and columns, density 1, a single block, no bias / bias in the activation dtype / fp32 bias,
+    values in the activation dtype and fp32 master values."""
+    from sparsetrain.kernels import _blocksparse_cuda as cuda_dds
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O = 512, 1024
+    gen = torch.Generator().manual_seed(b + len(pattern))
+    meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // b, I // b), gen), b).to("cuda")
+    probe = torch.empty(1, O, device="cuda", dtype=dtype)
+    tiles = cuda_dds.candidates(probe, b, O)
+    assert len(tiles) == len(cuda_dds.CANDIDATES), "the CUDA kernel did not build or a tile does not fit"
+    for T in (1000 + 37, 5):
+        x = torch.randn(T, I, device="cuda", dtype=dtype)
+        g = torch.randn(T, O, device="cuda", dtype=dtype)
+        for cfg in tiles:
+            for vdt in (dtype, torch.float32):
+                values = (torch.randn(meta.n_blocks, b, b, device="cuda") / b**0.5).to(vdt)
+                w = values_to_dense(values.float(), meta)
+                for bdt in (None, dtype, torch.float32):
+                    bias = None if bdt is None else torch.randn(O, device="cuda").to(bdt)
+                    with forced_config(fwd=cfg, dx=cfg):
+                        y = bs._dds(x, values, meta, bias, forward=True)
+                        dx = bs._dds(g, values, meta, None, forward=False)
+                    y_ref = x.float() @ w.t() + (0 if bias is None else bias.float())
+                    assert rel(y, y_ref) < 1e-2, (cfg, T, vdt, bdt)
+                    assert rel(dx, g.float() @ w) < 1e-2, (cfg, T, vdt)
+    plans = list(meta._groups["plans"].values())
+    assert len(plans) == 16 * len(tiles) and all(isinstance(p, cuda_dds.CudaDdsPlan) for p in plans)
+
+
+def test_cuda_dds_entry_info_and_warp_ranges():
+    """The host side of the CUDA X-stationary kernel (plain torch, so it runs here): the per-entry info
+    (value offset / -1 for padding, column of the dense operand, output column, last-of-block flag) and the
+    warp ranges, which must be cut at output-block boundaries and cover every entry once."""
+    from sparsetrain.kernels._blocksparse_cuda import entry_info, warp_bounds
+
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    fwd = entry_info(meta, forward=True).tolist()
+    # forward: per block row (output block), the active block columns; row 1 is empty -> one padding entry
+    assert fwd == [[0, 0, 0, 0], [256, 32, 0, 1], [-1, 0, 16, 1], [512, 16, 32, 0], [768, 32, 32, 1],
+                   [1024, 0, 48, 0], [1280, 16, 48, 0], [1536, 32, 48, 1]]
+    # input gradient: per block column, the block rows (transpose metadata), slots as stored
+    dx = entry_info(meta, forward=False).tolist()
+    slots = {(r, c): s for s, (r, c) in enumerate(mask.nonzero().tolist())}
+    expect = []
+    for c in range(3):
+        rows = [r for r in range(4) if mask[r, c]]
+        for i, r in enumerate(rows):
+            expect.append([slots[(r, c)] * 256, r * 16, c * 16, int(i == len(rows) - 1)])
+    assert dx == expect
+    pptr = meta.padded_entries(True, 1)[0]
+    for n in (1, 2, 3, 5, 16):
+        wb = warp_bounds(pptr, n).tolist()
+        assert wb[0] == 0 and wb[-1] == len(fwd) and wb == sorted(wb) and len(wb) == n + 1
+        assert set(wb) <= set(pptr.tolist())  # every range starts at an output block's first entry

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparsetrain.kernels import _blocksparse_cuda as _cuda_dds
+from sparsetrain.kernels._blocksparse_cuda import CudaDdsConfig, CudaDdsPlan
 from sparsetrain.kernels._device import num_sms
 from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
 from sparsetrain.sparsity.layout import Block
@@ -368,7 +370,9 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
     if T == 0:
         return out
 
-    def make_plan(cfg: DdsConfig) -> _Plan:
+    def make_plan(cfg: DdsConfig | CudaDdsConfig) -> _Plan | CudaDdsPlan:
+        if isinstance(cfg, CudaDdsConfig):
+            return CudaDdsPlan(a, meta, cfg, forward, has_bias)
         ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k)
         n_ranges = triton_cdiv(n_out, cfg.blocks_per_prog)
         grid = (triton_cdiv(T, cfg.block_t) * n_ranges,)
@@ -384,7 +388,8 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
 
     key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features if forward else meta.out_features, n_out * B,
            _density_bucket(meta), a.dtype, values.dtype, has_bias)
-    cfg = _pick("fwd" if forward else "dx", key, a.device, _DDS_CANDIDATES[B], _INTERP_DDS[B], launch)
+    cands = [*_cuda_dds.candidates(a, B, a.shape[1]), *_DDS_CANDIDATES[B]]
+    cfg = _pick("fwd" if forward else "dx", key, a.device, cands, _INTERP_DDS[B], launch)
     plan = make_plan(cfg)
     plan(a, values, bias if has_bias else a, out)
     if _may_cache(a.device):
