@@ -78,11 +78,11 @@ def entry_info(meta, forward: bool) -> Tensor:
 def warp_bounds(pptr: Tensor, n_ranges: int) -> Tensor:
     """First entry of each of ``n_ranges`` warp ranges (+ the end), cut at output-block boundaries so that the
     entry counts are as even as the blocks allow."""
-    total = int(pptr[-1])
-    targets = torch.div(torch.arange(n_ranges + 1, device=pptr.device, dtype=torch.long) * total, n_ranges,
+    ptr = pptr.long()  # no host sync: the total stays on the device
+    targets = torch.div(torch.arange(n_ranges + 1, device=ptr.device, dtype=torch.long) * ptr[-1], n_ranges,
                         rounding_mode="floor")
-    idx = torch.searchsorted(pptr.long(), targets).clamp(max=pptr.numel() - 1)
-    return pptr.long()[idx].to(torch.int32).contiguous()
+    idx = torch.searchsorted(ptr, targets).clamp(max=ptr.numel() - 1)
+    return ptr[idx].to(torch.int32).contiguous()
 
 
 class CudaDdsPlan:

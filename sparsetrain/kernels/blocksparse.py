@@ -382,15 +382,19 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
                     CACHE_A=cfg.cache_a, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         return _Plan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7), opts, extra=n_out * B)
 
-    def launch(cfg: DdsConfig) -> Tensor:
-        make_plan(cfg)(a, values, bias if has_bias else a, out)
+    built: dict = {}  # one plan per candidate while tuning (timing must not include building it)
+
+    def launch(cfg: DdsConfig | CudaDdsConfig) -> Tensor:
+        if cfg not in built:
+            built[cfg] = make_plan(cfg)
+        built[cfg](a, values, bias if has_bias else a, out)
         return out
 
     key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features if forward else meta.out_features, n_out * B,
            _density_bucket(meta), a.dtype, values.dtype, has_bias)
     cands = [*_cuda_dds.candidates(a, B, a.shape[1]), *_DDS_CANDIDATES[B]]
     cfg = _pick("fwd" if forward else "dx", key, a.device, cands, _INTERP_DDS[B], launch)
-    plan = make_plan(cfg)
+    plan = built.get(cfg) or make_plan(cfg)
     plan(a, values, bias if has_bias else a, out)
     if _may_cache(a.device):
         _keep_plan(meta, pkey, plan)
@@ -421,13 +425,17 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return _Plan(sampled_grad_kernel, (n_groups * split,), args, (0, 1, 7, 8), opts, extra=split)
 
+        built: dict = {}
+
         def launch(cfg: DwConfig) -> tuple[Tensor, Tensor | None]:
-            return _run_dw(make_plan(cfg), x, dy, meta, with_bias, out_dtype)
+            if cfg not in built:
+                built[cfg] = make_plan(cfg)
+            return _run_dw(built[cfg], x, dy, meta, with_bias, out_dtype)
 
         key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features, meta.out_features, _density_bucket(meta),
                x.dtype, out_dtype, with_bias)
         cfg = _pick("dw", key, dev, _DW_CANDIDATES[B], _INTERP_DW[B], launch)
-        plan = make_plan(cfg)
+        plan = built.get(cfg) or make_plan(cfg)
         if T > 0 and _may_cache(dev):
             _keep_plan(meta, pkey, plan)
     return _run_dw(plan, x, dy, meta, with_bias, out_dtype)
