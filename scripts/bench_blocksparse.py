@@ -367,28 +367,37 @@ def sec_candidates(args) -> dict:
         g = torch.randn(T, O, device=DEV, dtype=torch.bfloat16)
         wd = torch.randn(O, I, device=DEV, dtype=torch.bfloat16)
         dense = {"fwd": bench(lambda x=x, wd=wd: torch.nn.functional.linear(x, wd)),
-                 "dx": bench(lambda g=g, wd=wd: g @ wd)}
+                 "dx": bench(lambda g=g, wd=wd: g @ wd), "dw": bench(lambda g=g, x=x: g.t() @ x)}
         for b in (int(s) for s in args.blocks.split(",")):
             for d in (float(s) for s in args.densities.split(",")):
                 meta = BlockSparseMeta.from_mask(make_mask(O, I, b, d, seed=1).to(DEV), b)
                 v = torch.randn(meta.n_blocks, b, b, device=DEV, dtype=torch.bfloat16) / b**0.5
                 w32 = values_to_dense(v.float(), meta)
-                for kind, a, ref in (("fwd", x, x.float() @ w32.t()), ("dx", g, g.float() @ w32)):
-                    cands = [*cuda_dds.candidates(a, b, a.shape[1]), *bs._DDS_CANDIDATES[b]]
+                dw_ref = reference_grads(x.float(), g.float(), v.float(), meta)[1]
+                for kind, a, ref in (("fwd", x, x.float() @ w32.t()), ("dx", g, g.float() @ w32), ("dw", x, dw_ref)):
+                    if kind == "dw":
+                        cands = [*cuda_dds.dw_candidates(x, g, meta, False), *bs._DW_CANDIDATES[b]]
+
+                        def run(x=x, g=g, m=meta):
+                            return bs._sampled_grad(x, g, m, with_bias=False)[0]
+                    else:
+                        cands = [*cuda_dds.candidates(a, b, a.shape[1]), *bs._DDS_CANDIDATES[b]]
+
+                        def run(a=a, v=v, m=meta, f=kind == "fwd"):
+                            return bs._dds(a, v, m, None, forward=f)
                     rows = []
                     for c in cands:
                         try:
                             with bs.forced_config(**{kind: c}):
-                                o = bs._dds(a, v, meta, None, forward=kind == "fwd")
-                                err = rel(o, ref)
+                                err = rel(run(), ref)
                                 bs.POISON_OUTPUTS = False
-                                ms = bench(lambda a=a, v=v, m=meta, f=kind == "fwd": bs._dds(a, v, m, None, forward=f))
+                                ms = bench(run)
                                 bs.POISON_OUTPUTS = True
                         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: next candidate
                             bs.POISON_OUTPUTS = True
                             rows.append({"cfg": repr(c), "error": repr(e)[:200]})
                             continue
-                        rows.append({"cfg": repr(c), "cuda": type(c).__name__ == "CudaDdsConfig", "ms": ms,
+                        rows.append({"cfg": repr(c), "cuda": type(c).__name__.startswith("Cuda"), "ms": ms,
                                      "err": err, "vs_dense": dense[kind] / ms})
                     ok = [r for r in rows if "ms" in r]
                     bt = min((r for r in ok if not r["cuda"]), key=lambda r: r["ms"], default=None)

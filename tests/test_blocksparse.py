@@ -444,3 +444,67 @@ def test_cuda_dds_entry_info_and_warp_ranges():
         wb = warp_bounds(pptr, n).tolist()
         assert wb[0] == 0 and wb[-1] == len(fwd) and wb == sorted(wb) and len(wb) == n + 1
         assert set(wb) <= set(pptr.tolist())  # every range starts at an output block's first entry
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "dense", "single"])
+@pytest.mark.parametrize("I,O", [(512, 1024), (1024, 512)])  # X staged whole / dY staged whole
+def test_gpu_cuda_dw_every_tile(dtype, pattern, I, O):
+    """Every tile of the CUDA weight-gradient kernel (csrc/bs_dw.cu) vs the fp32 reference on fresh inputs,
+    with and without the fused bias gradient, at token counts that are not a multiple of the chunk."""
+    from sparsetrain.kernels import _blocksparse_cuda as cuda_dds
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(len(pattern) + I)
+    meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // 16, I // 16), gen), 16).to("cuda")
+    for T in (3000 + 7, 5):
+        x = torch.randn(T, I, device="cuda", dtype=dtype)
+        dy = torch.randn(T, O, device="cuda", dtype=dtype)
+        tiles = cuda_dds.dw_candidates(x, dy, meta, True)
+        assert len(tiles) == len(cuda_dds.DW_CANDIDATES), "the CUDA kernel did not build or a tile does not fit"
+        v = torch.zeros(meta.n_blocks, 16, 16, device="cuda")
+        _, dv_ref, db_ref = reference_grads(x.float(), dy.float(), v, meta)
+        for cfg in tiles:
+            for with_bias in (True, False):
+                with forced_config(dw=cfg):
+                    dv, db = bs._sampled_grad(x, dy, meta, with_bias=with_bias)
+                assert rel(dv, dv_ref) < 1e-4, (cfg, T, with_bias)
+                if with_bias:
+                    assert rel(db, db_ref) < 1e-4, (cfg, T)
+    plans = list(meta._groups["plans"].values())
+    assert plans and all(isinstance(p, cuda_dds.CudaDwPlan) for p in plans)
+
+
+def test_cuda_dw_table_covers_every_block_and_bias_column():
+    """The weight-gradient kernel's CTA table (plain torch, runs here): every block in exactly one CTA at
+    offsets inside that CTA's staged column ranges, strips no wider than STRIP_BLOCKS, and bias ranges that
+    partition the output features and lie inside each CTA's staged dY columns; both orientations, empty rows."""
+    from sparsetrain.kernels._blocksparse_cuda import STRIP_BLOCKS, dw_table
+
+    gen = torch.Generator().manual_seed(0)
+    for O, I in ((1024, 512), (512, 1024), (4096, 1024), (1024, 4096)):
+        for d in (0.02, 0.1, 0.5, 1.0):
+            mask = torch.rand(O // 16, I // 16, generator=gen) < d
+            mask[: mask.shape[0] // 3] = False  # a run of empty block rows
+            meta = BlockSparseMeta.from_mask(mask, 16)
+            for with_bias in (True, False):
+                cta, blk, aw, bw = dw_table(meta, with_bias, 128)
+                c, b = cta.tolist(), blk.tolist()
+                assert sum(x[1] for x in c) == meta.n_blocks
+                assert sorted(x[0] for x in b[: meta.n_blocks]) == list(range(meta.n_blocks))
+                for x in c:
+                    assert x[1] <= 128 and x[3] <= aw and x[5] <= bw
+                    assert min(x[3], x[5]) <= STRIP_BLOCKS * 16  # one operand is a strip
+                    for k in range(x[0], x[0] + x[1]):
+                        s, ao, bo, _ = b[k]
+                        r, cc = int(meta.row_idx[s]), int(meta.col_idx[s])
+                        assert (x[2] + ao, x[4] + bo) == (r * 16, cc * 16)
+                        assert 0 <= ao < x[3] and 0 <= bo < x[5]
+                if with_bias:
+                    pos = 0
+                    for lo, hi in sorted((x[6], x[7]) for x in c if x[7] > x[6]):
+                        assert lo == pos
+                        pos = hi
+                    assert pos == O
+                    assert all(x[2] <= x[6] and x[7] <= x[2] + x[3] for x in c if x[7] > x[6])

@@ -9,6 +9,7 @@ shape, so adding them never makes a layer slower than before. 16x16 and 32x32 bl
 """
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
@@ -125,3 +126,154 @@ class CudaDdsPlan:
                      b_f32, torch.cuda.current_stream(a.device).cuda_stream)
         if rc != 0:
             raise RuntimeError(f"bs_dds launch failed with code {rc} ({self.cfg})")
+
+
+# ---- the sampled weight gradient at 16x16 blocks (csrc/bs_dw.cu) ------------------------------------------
+class CudaDwConfig(NamedTuple):
+    """Tokens per staged chunk of the CUDA weight-gradient kernel (16 or 32)."""
+
+    tc: int
+
+
+DW_CANDIDATES = (CudaDwConfig(32), CudaDwConfig(16))
+STRIP_BLOCKS = 32  # widest column strip a CTA stages of its strip operand (in blocks)
+
+
+def _dw_lib(device: torch.device):
+    from sparsetrain.kernels import _cuda
+
+    return _cuda.load("bs_dw", device)
+
+
+def dw_table(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]:
+    """CTA table of the weight-gradient kernel: ``(cta [n_cta, 8], blk [n_blocks, 4], a_width, b_width)``.
+
+    Orientation: the narrower of X (``in_features``) and dY (``out_features``) is staged whole per token chunk;
+    the blocks are walked in the order of the other one's block index (rows: CSR order, dY strips; columns:
+    transpose order, X strips) and cut into CTAs of at most ``cap`` blocks whose strip spans at most
+    ``STRIP_BLOCKS`` blocks. ``cta`` rows: first block, count, dY column range (start, width), X column range,
+    bias column range (disjoint over the CTAs, inside the dY range; bias-only CTAs with no blocks cover rows no
+    block CTA can take). ``blk`` rows: slot, column of its dY strip / X strip in the staged ranges, 0.
+    Built on the host from the index arrays, once per topology (cached on the metadata)."""
+    key = ("bs_dw_table", with_bias, cap)
+    if key in meta._groups:
+        return meta._groups[key]
+    b, R, C = meta.block, meta.grid[0], meta.grid[1]
+    rows_full_x = meta.in_features <= meta.out_features  # X staged whole, dY strips by block row
+    if rows_full_x:
+        order = list(range(meta.n_blocks))
+        rr, cc = meta.row_idx.tolist(), meta.col_idx.tolist()
+        strip = rr
+    else:
+        order = meta.t_slot.tolist()
+        rr = meta.t_row_idx.tolist()
+        counts = (meta.col_ptr[1:] - meta.col_ptr[:-1]).tolist()
+        cc = [c for c, k in enumerate(counts) for _ in range(k)]
+        strip = cc
+    n = len(order)
+    groups, k = [], 0  # (first, count, strip lo, strip hi) in block units
+    while k < n:
+        first, s0 = k, strip[k]
+        while k < n and k - first < cap and strip[k] - s0 < STRIP_BLOCKS:
+            k += 1
+        groups.append((first, k - first, s0, strip[k - 1] + 1))
+    ctas = []  # first, n, a_lo, a_hi, b_lo, b_hi, bias_lo, bias_hi (block units)
+    if rows_full_x:
+        prev_hi = 0
+        for i, (first, cnt, s0, s1) in enumerate(groups):
+            lo = prev_hi
+            if s1 - min(lo, s0) > STRIP_BLOCKS:  # empty rows before this group: bias-only CTAs take them
+                while lo < s0:
+                    hi = min(s0, lo + STRIP_BLOCKS)
+                    ctas.append([0, 0, lo, hi, 0, 0, lo, hi])
+                    lo = hi
+            hi = max(s1, lo)
+            if i == len(groups) - 1 and R - min(lo, s0) <= STRIP_BLOCKS:
+                hi = R
+            ctas.append([first, cnt, min(lo, s0), max(hi, s1), 0, C, lo, hi])
+            prev_hi = hi
+        while prev_hi < R:  # rows after the last group's reach
+            hi = min(R, prev_hi + STRIP_BLOCKS)
+            ctas.append([0, 0, prev_hi, hi, 0, 0, prev_hi, hi])
+            prev_hi = hi
+        if not with_bias:
+            ctas = [c for c in ctas if c[1] > 0]
+            for c in ctas:
+                c[6] = c[7] = c[2]
+    else:
+        ng = max(1, len(groups))
+        for i, (first, cnt, s0, s1) in enumerate(groups or [(0, 0, 0, 0)]):
+            blo, bhi = (i * R // ng, (i + 1) * R // ng) if with_bias else (0, 0)
+            ctas.append([first, cnt, 0, R, s0, s1, blo, bhi])
+        ctas = [c for c in ctas if c[1] > 0 or c[7] > c[6]]
+    blk = []
+    pos_cta = {}
+    for ci, c in enumerate(ctas):
+        for k in range(c[0], c[0] + c[1]):
+            pos_cta[k] = ci
+    for k in range(n):
+        c = ctas[pos_cta[k]]
+        blk.append([order[k], (rr[k] - c[2]) * b, (cc[k] - c[4]) * b, 0])
+    a_width = max((c[3] - c[2]) * b for c in ctas) if ctas else b
+    b_width = max(((c[5] - c[4]) * b for c in ctas), default=b) or b
+    dev = meta.device
+    table = (torch.tensor([[c[0], c[1], c[2] * b, (c[3] - c[2]) * b, c[4] * b, (c[5] - c[4]) * b, c[6] * b,
+                            c[7] * b] for c in ctas] or [[0] * 8], dtype=torch.int32, device=dev),
+             torch.tensor(blk or [[0, 0, 0, 0]], dtype=torch.int32, device=dev), a_width, b_width)
+    meta._groups[key] = table
+    return table
+
+
+def _dw_cap(so) -> int:
+    w = ctypes.c_int()
+    return so.sparsetrain_bs_dw_cap(ctypes.byref(w))
+
+
+def dw_candidates(x: Tensor, dy: Tensor, meta, with_bias: bool) -> list[CudaDwConfig]:
+    """The CUDA weight-gradient tiles that can run here: 16x16 blocks, fp16/bf16, shared memory that fits."""
+    if (not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or dy.dtype != x.dtype
+            or meta.block_rows != 16 or meta.block_cols != 16 or meta.n_blocks == 0):
+        return []
+    so = _dw_lib(x.device)
+    if so is None:
+        return []
+    _, _, aw, bw = dw_table(meta, with_bias, _dw_cap(so))
+    limit = _smem_limit(x.device)
+    return [c for c in DW_CANDIDATES if 2 * 2 * c.tc * (aw + 8 + bw + 8) <= limit]
+
+
+class CudaDwPlan:
+    """One launch of ``bs_dw``; called like the Triton weight-gradient plans: ``plan(x, dy, dv, db_or_dv)``
+    with ``dv`` (and ``db``) zeroed fp32 (``extra`` > 1 tells ``blocksparse._run_dw`` to allocate them so)."""
+
+    __slots__ = ("fn", "cta", "blk", "aw", "bw", "t", "tc", "splits", "tps", "with_bias", "extra")
+
+    def __init__(self, x: Tensor, meta, cfg: CudaDwConfig, with_bias: bool):
+        from sparsetrain.kernels._device import num_sms
+
+        so = _dw_lib(x.device)
+        if so is None:
+            raise RuntimeError("the CUDA kernel bs_dw is unavailable here")
+        self.fn = so.sparsetrain_bs_dw
+        self.cta, self.blk, self.aw, self.bw = dw_table(meta, with_bias, _dw_cap(so))
+        self.t, self.tc, self.with_bias = x.shape[0], cfg.tc, with_bias
+        n_cta = self.cta.shape[0]
+        def cdiv(a: int, b: int) -> int:
+            return -(-a // b)
+
+        splits = max(1, min(cdiv(2 * num_sms(x.device), n_cta), self.t // (4 * cfg.tc)))
+        self.tps = cdiv(cdiv(self.t, splits), cfg.tc) * cfg.tc  # tokens per split, a multiple of tc
+        self.splits = cdiv(self.t, self.tps)
+        self.extra = 2  # outputs must be zeroed fp32 (atomics)
+
+    def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:
+        if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) != 1:
+            x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
+        if dy.data_ptr() % 16 or dy.stride(0) % 8 or dy.stride(1) != 1:
+            dy = dy.contiguous() if dy.stride(1) != 1 or dy.stride(0) % 8 else dy.clone()
+        rc = self.fn(x.data_ptr(), dy.data_ptr(), self.cta.data_ptr(), self.blk.data_ptr(), dv.data_ptr(),
+                     db.data_ptr() if self.with_bias else 0, self.t, x.stride(0), dy.stride(0), self.cta.shape[0],
+                     self.splits, self.tps, self.aw, self.bw, self.tc, int(x.dtype == torch.bfloat16),
+                     torch.cuda.current_stream(x.device).cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"bs_dw launch failed with code {rc}")

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsetrain.kernels import _blocksparse_cuda as _cuda_dds
-from sparsetrain.kernels._blocksparse_cuda import CudaDdsConfig, CudaDdsPlan
+from sparsetrain.kernels._blocksparse_cuda import CudaDdsConfig, CudaDdsPlan, CudaDwConfig, CudaDwPlan
 from sparsetrain.kernels._device import num_sms
 from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
 from sparsetrain.sparsity.layout import Block
@@ -415,7 +415,9 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
 
         B = meta.block
 
-        def make_plan(cfg: DwConfig) -> _Plan:
+        def make_plan(cfg: DwConfig | CudaDwConfig) -> _Plan | CudaDwPlan:
+            if isinstance(cfg, CudaDwConfig):
+                return CudaDwPlan(x, meta, cfg, with_bias)
             grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group)
             split = _choose_split(n_groups, T, cfg.block_t, dev)
             t_per_split = triton_cdiv(triton_cdiv(T, split), cfg.block_t) * cfg.block_t
@@ -434,7 +436,8 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
 
         key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features, meta.out_features, _density_bucket(meta),
                x.dtype, out_dtype, with_bias)
-        cfg = _pick("dw", key, dev, _DW_CANDIDATES[B], _INTERP_DW[B], launch)
+        cands = [*_cuda_dds.dw_candidates(x, dy, meta, with_bias), *_DW_CANDIDATES[B]]
+        cfg = _pick("dw", key, dev, cands, _INTERP_DW[B], launch)
         plan = built.get(cfg) or make_plan(cfg)
         if T > 0 and _may_cache(dev):
             _keep_plan(meta, pkey, plan)
