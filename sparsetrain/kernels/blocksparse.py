@@ -12,7 +12,9 @@ Storage: ``values [n_blocks, b, b]`` (the active blocks in row-major block order
 It is rebuilt from the layer's bool block mask ``[O/b, I/b]`` only when the topology changes.
 
 On CUDA (or under ``TRITON_INTERPRET=1``) with square blocks of 16, 32, 64 or 128 the three products run
-as Triton kernels (:mod:`._blocksparse_triton`); otherwise the plain-torch reference
+as Triton kernels (:mod:`._blocksparse_triton`); for 16x16 and 32x32 blocks on a GPU with ``nvcc`` the CUDA
+kernels of :mod:`._blocksparse_cuda` are timed beside them and used where faster (docs/blocksparse.md, round 4);
+otherwise the plain-torch reference
 (:mod:`.blocksparse_reference`) computes the same function through a dense scatter, so the same layer
 trains on a CPU and with small blocks (1, 4, 8), only without the speed-up.
 
