@@ -237,6 +237,32 @@ def cuda_waves_sweep() -> list[dict]:
     return res
 
 
+def prefill_expand() -> list[dict]:
+    """Prefill (more than 64 tokens) expands the compressed weight and calls cuBLAS: the expansion in plain
+    torch vs the Triton decode kernels, and a 512-token linear through it vs dense, per format."""
+    rows = []
+    print("format shape sparsity | expand torch ms | expand Triton ms | 512-token linear: dense / via torch / "
+          "spmm_infer (Triton expansion) ms")
+    for fmt, make in (("csl", sc.compress_csl), ("pair", sp.compress_pair), ("bitmap", si.compress)):
+        for (m, k) in ((14336, 4096), (4096, 14336)):
+            for s in (0.8, 0.9):
+                w = random_sparse(m, k, s)
+                c = make(w)
+                assert torch.equal(c.to_dense(use_kernel=True), w) and torch.equal(c.to_dense(use_kernel=False), w)
+                x = torch.randn(512, k, device=DEV, dtype=torch.float16)
+                r = {"fmt": fmt, "M": m, "K": k, "sparsity": s,
+                     "expand_torch": bench(lambda c=c: c.to_dense(use_kernel=False)),
+                     "expand_triton": bench(lambda c=c: c.to_dense(use_kernel=True)),
+                     "dense": bench(lambda x=x, w=w: F.linear(x, w)),
+                     "via_torch": bench(lambda x=x, c=c: F.linear(x, c.to_dense(use_kernel=False))),
+                     "spmm_infer": bench(lambda x=x, c=c: si.spmm_infer(x, c))}
+                rows.append(r)
+                print(f"{fmt} {m}x{k} {s} | {r['expand_torch']:.3f} | {r['expand_triton']:.3f} | {r['dense']:.3f} "
+                      f"/ {r['via_torch']:.3f} ({r['dense'] / r['via_torch']:.2f}x) / {r['spmm_infer']:.3f} "
+                      f"({r['dense'] / r['spmm_infer']:.2f}x)", flush=True)
+    return rows
+
+
 def split_sweep() -> list[dict]:
     """Time of the CUDA kernels against the split-K factor (CTAs = row tiles x split) at 90%, N = 16 and 64:
     how the launch should fill the GPU (a split that leaves a small last wave of CTAs costs a whole wave)."""
@@ -318,6 +344,8 @@ def main() -> None:
     ap.add_argument("--no-csr", action="store_true")
     ap.add_argument("--cuda-waves", action="store_true", help="also sweep the CUDA kernel's split-K target")
     ap.add_argument("--split-sweep", action="store_true", help="only time the CUDA kernels against split-K")
+    ap.add_argument("--prefill", action="store_true",
+                    help="only the prefill path: weight expansion (torch vs Triton) and a 512-token linear")
     ap.add_argument("--profile", choices=["triton", "cuda", "csl", "pair"],
                     help="only launch that kernel 5 times (28672x7168, N=16), e.g. under ncu")
     ap.add_argument("--profile-sparsity", type=float, default=0.9)
@@ -337,6 +365,10 @@ def main() -> None:
             fn()
         return
     info = env()
+    if args.prefill:
+        info["prefill"] = prefill_expand()
+        save(args.out, "bench_prefill.json", info)
+        return
     if args.split_sweep:
         info["split_sweep"] = split_sweep()
         save(args.out, "bench_split.json", info)

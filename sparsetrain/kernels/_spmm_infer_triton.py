@@ -249,3 +249,40 @@ def decode_pair_kernel(
     cols = kt * 64 + tl.arange(0, 64)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], w,
              mask=(rows[:, None] < M) & (cols[None, :] < K))
+
+
+@triton.jit
+def decode_csl_kernel(
+    values_ptr,    # the nonzeros, tile by tile, sub-tile by sub-tile (spmm_csl.CslWeight.values)
+    locs_ptr,      # uint8 per value: 16 * (r % 16) + c % 16 inside its 16 x 16 sub-tile
+    sub_off_ptr,   # int16 [TM, TK, 32]: first value of each sub-tile relative to its tile's first
+    tile_off_ptr,  # int32 [TM, TK]: first value of each tile
+    out_ptr,       # [M, K] dense output, row stride stride_om, unit column stride; every element written
+    M, K, stride_om, num_k_tiles, nnz,
+    BM: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """Expands a tiled-CSL weight to dense, one program per 128 x 64 tile (prefill: N > 64 tokens): zero the
+    tile, then scatter its nonzeros, CHUNK at a time; a value's sub-tile is the number of sub-tile offsets at or
+    below its position minus one."""
+    pid_m = tl.program_id(0)
+    kt = tl.program_id(1)
+    tile = pid_m * num_k_tiles + kt
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = kt * 64 + tl.arange(0, 64)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+             tl.zeros((BM, 64), dtype=out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < K))
+    tl.debug_barrier()  # the zeros land before any value of this tile (different threads write them)
+    start = tl.load(tile_off_ptr + tile)
+    n_tiles = tl.num_programs(0) * num_k_tiles
+    end = tl.load(tile_off_ptr + tile + 1, mask=tile + 1 < n_tiles, other=nnz)
+    sub_off = tl.load(sub_off_ptr + tile * 32 + tl.arange(0, 32)).to(tl.int32)
+    for c0 in range(0, end - start, CHUNK):
+        rel = c0 + tl.arange(0, CHUNK)
+        ok = rel < end - start
+        v = tl.load(values_ptr + start + rel, mask=ok, other=0.0)
+        loc = tl.load(locs_ptr + start + rel, mask=ok, other=0).to(tl.int32)
+        s = tl.sum((sub_off[None, :] <= rel[:, None]).to(tl.int32), axis=1) - 1
+        r = pid_m * BM + (s // 4) * 16 + loc // 16
+        c = kt * 64 + (s % 4) * 16 + loc % 16
+        tl.store(out_ptr + r.to(tl.int64) * stride_om + c, v, mask=ok & (r < M) & (c < K))

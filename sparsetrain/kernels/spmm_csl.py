@@ -97,10 +97,19 @@ class CslWeight(CompressedWeight):
         return cls(tensors["values"], tensors["locs"], tensors["sub_offsets"], tensors["tile_offsets"],
                    (int(shape[0]), int(shape[1])))
 
-    def to_dense(self) -> Tensor:
-        """The exact ``[M, K]`` weight (plain torch)."""
+    def to_dense(self, use_kernel: bool | None = None) -> Tensor:
+        """The exact ``[M, K]`` weight: the Triton decode kernel (default on CUDA; what prefill calls, more than
+        64 tokens) or plain torch."""
+        if use_kernel is None:
+            use_kernel = self.values.is_cuda
         m, k = self.shape
         tm, tk = self.tile_offsets.shape
+        if use_kernel:
+            from ._spmm_infer_triton import decode_csl_kernel
+            out = torch.empty(m, k, dtype=self.dtype, device=self.device)
+            decode_csl_kernel[(tm, tk)](self.values, self.locs, self.sub_offsets, self.tile_offsets, out, m, k,
+                                        out.stride(0), tk, self.nnz, BM=TILE_M, CHUNK=512, num_warps=4)
+            return out
         counts = _sub_counts(self).reshape(-1)  # per sub-tile, in storage order
         sub_id = torch.repeat_interleave(torch.arange(counts.numel(), device=self.device), counts)
         loc = self.locs.long()
