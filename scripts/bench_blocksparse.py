@@ -381,7 +381,8 @@ def sec_candidates(args) -> dict:
                         def run(x=x, g=g, m=meta):
                             return bs._sampled_grad(x, g, m, with_bias=False)[0]
                     else:
-                        cands = [*cuda_dds.candidates(a, b, a.shape[1]), *bs._DDS_CANDIDATES[b]]
+                        cands = [*cuda_dds.candidates(a, b, a.shape[1]), *cuda_dds.ks_candidates(a, b, a.shape[1]),
+                                 *bs._DDS_CANDIDATES[b]]
 
                         def run(a=a, v=v, m=meta, f=kind == "fwd"):
                             return bs._dds(a, v, m, None, forward=f)

@@ -508,3 +508,73 @@ def test_cuda_dw_table_covers_every_block_and_bias_column():
                         pos = hi
                     assert pos == O
                     assert all(x[2] <= x[6] and x[7] <= x[2] + x[3] for x in c if x[7] > x[6])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "dense", "single"])
+def test_gpu_cuda_k_streamed_every_tile(dtype, pattern, poison):
+    """The K-streamed CUDA tiles (large K, 16x16 blocks), forward and input gradient, vs the fp32 reference:
+    K = 1552 and 1600 (the last K part partial), output-block groups that do not fill the last CTA, T = 1037
+    and 5, no bias / 16-bit / fp32 bias, fp32 master values."""
+    from sparsetrain.kernels import _blocksparse_cuda as cuda_dds
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O, b = 1552, 1600, 16
+    gen = torch.Generator().manual_seed(len(pattern))
+    meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // b, I // b), gen), b).to("cuda")
+    tiles = cuda_dds.ks_candidates(torch.empty(1, I, device="cuda", dtype=dtype), b, I)
+    assert len(tiles) == len(cuda_dds.KS_CANDIDATES), "the CUDA kernel did not build or a tile does not fit"
+    for T in (1037, 5):
+        x = torch.randn(T, I, device="cuda", dtype=dtype)
+        g = torch.randn(T, O, device="cuda", dtype=dtype)
+        for cfg in tiles:
+            for vdt in (dtype, torch.float32):
+                values = (torch.randn(meta.n_blocks, b, b, device="cuda") / b**0.5).to(vdt)
+                w = values_to_dense(values.float(), meta)
+                for bdt in (None, dtype, torch.float32):
+                    bias = None if bdt is None else torch.randn(O, device="cuda").to(bdt)
+                    with forced_config(fwd=cfg, dx=cfg):
+                        y = bs._dds(x, values, meta, bias, forward=True)
+                        dx = bs._dds(g, values, meta, None, forward=False)
+                    y_ref = x.float() @ w.t() + (0 if bias is None else bias.float())
+                    assert rel(y, y_ref) < 1e-2, (cfg, T, vdt, bdt)
+                    assert rel(dx, g.float() @ w) < 1e-2, (cfg, T, vdt)
+    plans = list(meta._groups["plans"].values())
+    assert plans and all(isinstance(p, cuda_dds.CudaKsPlan) for p in plans)
+
+
+def test_k_streamed_tables():
+    """The K-streamed kernel's per-warp entry lists (plain torch, runs here): every active block once per
+    product, each warp's entries in (K part, output block, k) order with counts that match, offsets right."""
+    from sparsetrain.kernels._blocksparse_cuda import ks_table
+
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(13, 21, generator=gen) < 0.3
+    mask[2] = False
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    slots = {(r, c): s for s, (r, c) in enumerate(mask.nonzero().tolist())}
+    for forward in (True, False):
+        for ob, kp in ((4, 256), (2, 64)):
+            info, wstart, counts, n_parts, n_out = ks_table(meta, forward, ob, kp)
+            k = meta.in_features if forward else meta.out_features
+            assert n_out == (13 if forward else 21) and n_parts == -(-k // kp)
+            info, wstart = info.tolist(), wstart.tolist()
+            counts = counts.view(-1, n_parts, ob).tolist()
+            assert wstart[-1] == meta.n_blocks and len(wstart) == -(-n_out // ob) + 1
+            seen = []
+            for w in range(len(wstart) - 1):
+                e = wstart[w]
+                for p in range(n_parts):
+                    for j in range(ob):
+                        o = w * ob + j
+                        ks = [kk for kk in range(k // 16) if o < n_out and kk * 16 // kp == p
+                              and (mask[o, kk] if forward else mask[kk, o])]
+                        assert counts[w][p][j] == len(ks)
+                        for kk in ks:
+                            s = slots[(o, kk) if forward else (kk, o)]
+                            assert info[e] == [s * 256, kk * 16 - p * kp]
+                            seen.append(s)
+                            e += 1
+                assert e == wstart[w + 1]
+            assert sorted(seen) == list(range(meta.n_blocks))

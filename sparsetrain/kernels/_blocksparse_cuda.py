@@ -33,6 +33,10 @@ _C = CudaDdsConfig
 CANDIDATES = (_C(4, 1), _C(2, 1), _C(4, 2), _C(1, 1), _C(4, 1, 1), _C(2, 1, 1), _C(1, 1, 1))
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _lib(device: torch.device):
     from sparsetrain.kernels import _cuda
 
@@ -110,22 +114,117 @@ class CudaDdsPlan:
         self.extra = n_out * block  # output width (what blocksparse._dds allocates)
 
     def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
-        if values.dtype != a.dtype:  # fp32 master weights under autocast: one cast of the active blocks
-            values = values.to(a.dtype)
-        if values.data_ptr() % 16 or not values.is_contiguous():
-            values = values.contiguous() if not values.is_contiguous() else values.clone()
-        if a.data_ptr() % 16 or a.stride(0) % 8 or a.stride(1) != 1:
-            a = a.contiguous() if a.stride(1) != 1 or a.stride(0) % 8 else a.clone()
-        b_ptr, b_f32 = 0, 0
-        if self.has_bias:
-            if bias.dtype not in (torch.float32, a.dtype) or not bias.is_contiguous():
-                bias = bias.float().contiguous()
-            b_ptr, b_f32 = bias.data_ptr(), int(bias.dtype == torch.float32)
-        rc = self.fn(a.data_ptr(), values.data_ptr(), self.info.data_ptr(), self.wbound.data_ptr(), b_ptr, out.data_ptr(), self.t, self.k, a.stride(0), out.stride(0),
-                     self.block, self.cfg.mt, self.cfg.half, self.cfg.splits, int(self.trans), int(a.dtype == torch.bfloat16),
-                     b_f32, torch.cuda.current_stream(a.device).cuda_stream)
+        a, values, b_ptr, b_f32 = _operands(a, values, bias, self.has_bias)
+        rc = self.fn(a.data_ptr(), values.data_ptr(), self.info.data_ptr(), self.wbound.data_ptr(), b_ptr,
+                     out.data_ptr(), self.t, self.k, a.stride(0), out.stride(0), self.block, self.cfg.mt,
+                     self.cfg.half, self.cfg.splits, int(self.trans), int(a.dtype == torch.bfloat16), b_f32,
+                     torch.cuda.current_stream(a.device).cuda_stream)
         if rc != 0:
             raise RuntimeError(f"bs_dds launch failed with code {rc} ({self.cfg})")
+
+
+def _operands(a: Tensor, values: Tensor, bias: Tensor, has_bias: bool) -> tuple[Tensor, Tensor, int, int]:
+    """What the dense x block-sparse launchers pass: values in A's dtype (fp32 master weights under autocast:
+    one cast of the active blocks), 16-byte aligned operands (a copy when not), the bias pointer and whether it
+    is fp32 (a 16-bit bias must be A's dtype)."""
+    if values.dtype != a.dtype:
+        values = values.to(a.dtype)
+    if values.data_ptr() % 16 or not values.is_contiguous():
+        values = values.contiguous() if not values.is_contiguous() else values.clone()
+    if a.data_ptr() % 16 or a.stride(0) % 8 or a.stride(1) != 1:
+        a = a.contiguous() if a.stride(1) != 1 or a.stride(0) % 8 else a.clone()
+    b_ptr, b_f32 = 0, 0
+    if has_bias:
+        if bias.dtype not in (torch.float32, a.dtype) or not bias.is_contiguous():
+            bias = bias.float().contiguous()
+        b_ptr, b_f32 = bias.data_ptr(), int(bias.dtype == torch.float32)
+    return a, values, b_ptr, b_f32
+
+
+# ---- the K-streamed variant for large K (16x16 blocks) --------------------------------------------------
+class CudaKsConfig(NamedTuple):
+    """The K-streamed CUDA tile (``bs_dds_ks_kernel``): ``ob`` output blocks per warp (4: 8 warps, 2: 16)."""
+
+    ob: int
+
+
+KS_CANDIDATES = (CudaKsConfig(4), CudaKsConfig(2))
+KS_MIN_K = 1536  # below this the X-stationary tiles keep a 64-token tile of the whole K (and win)
+
+
+def _ks_shape(so, ob: int) -> tuple[int, int, int, int]:
+    tm, warps, kp = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    smem = so.sparsetrain_bs_dds_ks_shape(ob, ctypes.byref(tm), ctypes.byref(warps), ctypes.byref(kp))
+    return tm.value, warps.value, kp.value, smem
+
+
+def ks_candidates(a: Tensor, block: int, k: int) -> list[CudaKsConfig]:
+    """K-streamed tiles for this product: 16x16 blocks, K >= KS_MIN_K, fp16/bf16 on a GPU with the library."""
+    if not a.is_cuda or a.dtype not in (torch.float16, torch.bfloat16) or block != 16 or k < KS_MIN_K:
+        return []
+    so = _lib(a.device)
+    if so is None:
+        return []
+    return [c for c in KS_CANDIDATES if 0 < _ks_shape(so, c.ob)[3] <= _smem_limit(a.device)]
+
+
+def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
+    """Per-warp flat entry lists of the K-streamed kernel: ``(info [E, 2], wstart [n_warps + 1],
+    counts [n_warps, n_parts, ob], n_parts, n_out)``. Warp ``w`` owns output blocks ``w*ob .. w*ob + ob - 1`` and
+    walks its entries in (K part, output block, k) order; ``info`` = (value offset, column inside the part)."""
+    key = ("bs_ks", forward, ob, kp)
+    if key not in meta._groups:
+        b, dev = meta.block, meta.device
+        if forward:
+            out_blk, kidx = meta.row_idx.long(), meta.col_idx.long()
+            slot = torch.arange(meta.n_blocks, device=dev)
+            n_out, k = meta.grid[0], meta.in_features
+        else:
+            counts_c = (meta.col_ptr[1:] - meta.col_ptr[:-1]).long()
+            out_blk = torch.repeat_interleave(torch.arange(meta.grid[1], device=dev), counts_c)
+            kidx, slot = meta.t_row_idx.long(), meta.t_slot.long()
+            n_out, k = meta.grid[1], meta.out_features
+        n_parts, n_warps = _cdiv(k, kp), _cdiv(n_out, ob)
+        gw, jj, part = out_blk // ob, out_blk % ob, kidx * b // kp
+        cell = (gw * n_parts + part) * ob + jj
+        order = torch.argsort(cell * (k // b) + kidx, stable=True)
+        info = torch.stack([slot * b * b, kidx * b - part * kp], dim=1)[order].to(torch.int32).contiguous()
+        if info.numel() == 0:
+            info = torch.zeros(1, 2, dtype=torch.int32, device=dev)
+        wstart = torch.zeros(n_warps + 1, dtype=torch.long, device=dev)
+        wstart[1:] = torch.bincount(gw, minlength=n_warps).cumsum(0)
+        counts = torch.bincount(cell, minlength=n_warps * n_parts * ob).to(torch.int32)
+        meta._groups[key] = (info, wstart.to(torch.int32), counts.contiguous(), n_parts, n_out)
+    return meta._groups[key]
+
+
+class CudaKsPlan:
+    """One launch of ``bs_dds_ks`` (called like the other dense x block-sparse plans)."""
+
+    __slots__ = ("fn", "tables", "t", "k", "cfg", "trans", "has_bias", "grid_y", "extra")
+
+    def __init__(self, a: Tensor, meta, cfg: CudaKsConfig, forward: bool, has_bias: bool):
+        so = _lib(a.device)
+        if so is None:
+            raise RuntimeError("the CUDA kernel bs_dds is unavailable here")
+        self.fn = so.sparsetrain_bs_dds_ks
+        _, warps, kp, _ = _ks_shape(so, cfg.ob)
+        self.tables = ks_table(meta, forward, cfg.ob, kp)
+        n_out = self.tables[4]
+        self.grid_y = _cdiv(_cdiv(n_out, cfg.ob), warps)
+        self.t, self.k = a.shape
+        self.cfg, self.trans, self.has_bias = cfg, not forward, has_bias
+        self.extra = n_out * meta.block
+
+    def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
+        a, values, b_ptr, b_f32 = _operands(a, values, bias, self.has_bias)
+        info, wstart, counts, n_parts, n_out = self.tables
+        rc = self.fn(a.data_ptr(), values.data_ptr(), info.data_ptr(), wstart.data_ptr(), counts.data_ptr(), b_ptr,
+                     out.data_ptr(), self.t, self.k, a.stride(0), out.stride(0), n_parts, n_out, self.cfg.ob,
+                     self.grid_y, int(self.trans), int(a.dtype == torch.bfloat16), b_f32,
+                     torch.cuda.current_stream(a.device).cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"bs_dds_ks launch failed with code {rc} ({self.cfg})")
 
 
 # ---- the sampled weight gradient at 16x16 blocks (csrc/bs_dw.cu) ------------------------------------------
@@ -258,12 +357,9 @@ class CudaDwPlan:
         self.cta, self.blk, self.aw, self.bw = dw_table(meta, with_bias, _dw_cap(so))
         self.t, self.tc, self.with_bias = x.shape[0], cfg.tc, with_bias
         n_cta = self.cta.shape[0]
-        def cdiv(a: int, b: int) -> int:
-            return -(-a // b)
-
-        splits = max(1, min(cdiv(2 * num_sms(x.device), n_cta), self.t // (4 * cfg.tc)))
-        self.tps = cdiv(cdiv(self.t, splits), cfg.tc) * cfg.tc  # tokens per split, a multiple of tc
-        self.splits = cdiv(self.t, self.tps)
+        splits = max(1, min(_cdiv(2 * num_sms(x.device), n_cta), self.t // (4 * cfg.tc)))
+        self.tps = _cdiv(_cdiv(self.t, splits), cfg.tc) * cfg.tc  # tokens per split, a multiple of tc
+        self.splits = _cdiv(self.t, self.tps)
         self.extra = 2  # outputs must be zeroed fp32 (atomics)
 
     def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:

@@ -39,7 +39,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsetrain.kernels import _blocksparse_cuda as _cuda_dds
-from sparsetrain.kernels._blocksparse_cuda import CudaDdsConfig, CudaDdsPlan, CudaDwConfig, CudaDwPlan
+from sparsetrain.kernels._blocksparse_cuda import (
+    CudaDdsConfig,
+    CudaDdsPlan,
+    CudaDwConfig,
+    CudaDwPlan,
+    CudaKsConfig,
+    CudaKsPlan,
+)
 from sparsetrain.kernels._device import num_sms
 from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
 from sparsetrain.sparsity.layout import Block
@@ -372,9 +379,11 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
     if T == 0:
         return out
 
-    def make_plan(cfg: DdsConfig | CudaDdsConfig) -> _Plan | CudaDdsPlan:
+    def make_plan(cfg: DdsConfig | CudaDdsConfig | CudaKsConfig) -> _Plan | CudaDdsPlan | CudaKsPlan:
         if isinstance(cfg, CudaDdsConfig):
             return CudaDdsPlan(a, meta, cfg, forward, has_bias)
+        if isinstance(cfg, CudaKsConfig):
+            return CudaKsPlan(a, meta, cfg, forward, has_bias)
         ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k)
         n_ranges = triton_cdiv(n_out, cfg.blocks_per_prog)
         grid = (triton_cdiv(T, cfg.block_t) * n_ranges,)
@@ -386,7 +395,7 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
 
     built: dict = {}  # one plan per candidate while tuning (timing must not include building it)
 
-    def launch(cfg: DdsConfig | CudaDdsConfig) -> Tensor:
+    def launch(cfg: DdsConfig | CudaDdsConfig | CudaKsConfig) -> Tensor:
         if cfg not in built:
             built[cfg] = make_plan(cfg)
         built[cfg](a, values, bias if has_bias else a, out)
@@ -394,7 +403,8 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
 
     key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features if forward else meta.out_features, n_out * B,
            _density_bucket(meta), a.dtype, values.dtype, has_bias)
-    cands = [*_cuda_dds.candidates(a, B, a.shape[1]), *_DDS_CANDIDATES[B]]
+    cands = [*_cuda_dds.candidates(a, B, a.shape[1]), *_cuda_dds.ks_candidates(a, B, a.shape[1]),
+             *_DDS_CANDIDATES[B]]
     cfg = _pick("fwd" if forward else "dx", key, a.device, cands, _INTERP_DDS[B], launch)
     plan = built.get(cfg) or make_plan(cfg)
     plan(a, values, bias if has_bias else a, out)

@@ -298,6 +298,187 @@ int with_tile(int blk, int mt, int half, F&& f) {
   return -1;
 }
 
+
+// ---- K-streamed variant for large K (16x16 blocks) --------------------------------------------------------
+// When a whole [64, K] token tile does not fit in shared memory (K >= ~1500), the tile above must shrink to 16-32
+// tokens and W is re-read 2-4x more often. This variant keeps the OUTPUT stationary instead: a CTA owns a token
+// tile and a group of output blocks (OB per warp, fp32 accumulators in registers), and streams the dense operand
+// through shared memory in K parts of KP columns (double-buffered cp.async, one barrier per part). Each warp walks
+// its entries in (part, output block, k) order (a host-built flat list), loading each W block with one 16-byte
+// load per lane two entries ahead, staging it in shared memory (swizzled) for ldmatrix(.trans).
+struct KsArgs {
+  const uint16_t* a;       // [T, K] dense operand, row stride sa
+  const uint16_t* values;  // [n_blocks, 16, 16]
+  const int2* info;        // per entry of the warps' flat lists: value offset (elements), column inside its part
+  const int32_t* wstart;   // [n_warps + 1] first entry of each (global) warp
+  const int32_t* counts;   // [n_warps, n_parts, OB] entries per (part, output block of the warp)
+  const void* bias;        // [n_out * 16] or null
+  uint16_t* out;           // [T, n_out * 16], row stride so
+  int t, k, sa, so, bias_f32, n_parts, n_out;
+};
+
+template <int MT, int OB, int WARPS, int KP>
+struct KsLayout {
+  static constexpr int TM = 16 * MT;
+  static constexpr int AS = KP + 8;                  // halves per staged row
+  static constexpr int A_HALVES = 2 * TM * AS;       // two parts in flight
+  static constexpr int W_HALVES = WARPS * 256;       // one staged W block per warp
+  static constexpr int O_HALVES = WARPS * TM * 24;   // output staging (aliases the A ring at the end)
+  static constexpr int bytes() { return 2 * ((A_HALVES > O_HALVES ? A_HALVES : O_HALVES) + W_HALVES); }
+};
+
+template <int MT, int OB, int WARPS, int KP, bool TRANS, bool BF16>
+__global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
+  using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
+  using L = KsLayout<MT, OB, WARPS, KP>;
+  constexpr int TM = L::TM;
+  extern __shared__ __align__(16) uint16_t ks_smem[];
+  uint16_t* smem = ks_smem;
+  uint16_t* aring = smem;
+  uint16_t* wst = smem + (L::A_HALVES > L::O_HALVES ? L::A_HALVES : L::O_HALVES);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int gw = blockIdx.y * WARPS + warp;
+  const int t0 = blockIdx.x * TM;
+  const int ob0 = gw * OB;  // first output block of this warp
+
+  auto load_part = [&](int p) {  // A[t0 : t0 + TM, p * KP : (p + 1) * KP] into stage p & 1, zero past T / K
+    uint16_t* dst = aring + (p & 1) * TM * L::AS;
+    constexpr int CPR = KP / 8;
+    for (int c = threadIdx.x; c < TM * CPR; c += WARPS * 32) {
+      const int r = c / CPR, col = (c % CPR) * 8, kc = p * KP + col;
+      const bool ok = t0 + r < a.t && kc < a.k;
+      cp_async16(dst + r * L::AS + col, a.a + (ok ? static_cast<long long>(t0 + r) * a.sa + kc : 0), ok ? 16 : 0);
+    }
+    cp_async_commit();
+  };
+
+  const bool active = ob0 < a.n_out;
+  const int e0 = active ? a.wstart[gw] : 0, e1 = active ? a.wstart[gw + 1] : 0;
+  const int lq = lane >> 3, l8 = lane & 7;
+  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wst + warp * 256));
+  const int a_lane = (lane & 15) * L::AS + 8 * (lane >> 4);
+  const uint32_t b_lane = TRANS ? 16u * Swz<16>::chunk((lq & 1) * 8 + l8, lq >> 1)
+                                : 16u * Swz<16>::chunk((lq >> 1) * 8 + l8, lq & 1);
+  const int w_dst = 16 * Swz<16>::chunk(lane >> 1, lane & 1);  // this lane's 16-byte chunk of a staged block
+
+  float acc[OB][MT][2][4];
+#pragma unroll
+  for (int j = 0; j < OB; ++j)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][mt][nt][i] = 0.f;
+
+  // entries two ahead: info and the lane's 16 bytes of the W block
+  auto fetch = [&](int e, int2& inf, uint4& w) {
+    if (e < e1) {
+      inf = __ldg(a.info + e);
+      w = __ldg(reinterpret_cast<const uint4*>(a.values + inf.x) + lane);
+    }
+  };
+  int2 inf0 = make_int2(0, 0), inf1 = make_int2(0, 0);
+  uint4 w0 = make_uint4(0, 0, 0, 0), w1 = make_uint4(0, 0, 0, 0);
+  fetch(e0, inf0, w0);
+  fetch(e0 + 1, inf1, w1);
+  int e = e0;
+
+  load_part(0);
+  for (int p = 0; p < a.n_parts; ++p) {
+    cp_async_wait<0>();
+    __syncthreads();  // part p landed everywhere; every warp is done with part p - 1 (its stage is reused next)
+    if (p + 1 < a.n_parts) load_part(p + 1);
+    if (!active) continue;
+    const uint32_t abase = smem_addr + 2u * ((p & 1) * TM * L::AS + a_lane);
+    const int* cnt = a.counts + (static_cast<long long>(gw) * a.n_parts + p) * OB;
+#pragma unroll
+    for (int j = 0; j < OB; ++j) {
+      const int n = __ldg(cnt + j);
+      for (int i = 0; i < n; ++i, ++e) {
+        // stage this entry's W block, then move the prefetch window
+        __syncwarp();  // the previous entry's ldmatrix reads are done
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(w_addr + w_dst), "r"(w0.x), "r"(w0.y),
+                     "r"(w0.z), "r"(w0.w));
+        const int acol = inf0.y;
+        inf0 = inf1;
+        w0 = w1;
+        fetch(e + 2, inf1, w1);
+        __syncwarp();
+        uint32_t r[4];
+        if constexpr (TRANS) ldsm_x4_t(r, w_addr + b_lane);
+        else ldsm_x4(r, w_addr + b_lane);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t af[4];
+          ldsm_x4(af, abase + 2u * (mt * 16 * L::AS + acol));
+          mma16816<BF16>(acc[j][mt][0], af, r[0], r[1]);
+          mma16816<BF16>(acc[j][mt][1], af, r[2], r[3]);
+        }
+      }
+    }
+  }
+  __syncthreads();  // the A ring becomes the output staging area
+  if (!active) return;
+  uint16_t* ostage = smem + warp * TM * 24;
+#pragma unroll
+  for (int j = 0; j < OB; ++j) {
+    const int ob = ob0 + j;
+    if (ob >= a.n_out) break;
+    const int col0 = ob * 16;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const int c = nt * 8 + 2 * t4;
+      float b0 = 0.f, b1 = 0.f;
+      if (a.bias) {
+        if (a.bias_f32) {
+          const float2 bv = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(a.bias) + col0 + c));
+          b0 = bv.x;
+          b1 = bv.y;
+        } else {
+          const T* bp = static_cast<const T*>(a.bias) + col0 + c;
+          b0 = to_float<T>(bp[0]);
+          b1 = to_float<T>(bp[1]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<uint32_t*>(ostage + (mt * 16 + g + 8 * h) * 24 + c) =
+              pack2<BF16>(acc[j][mt][nt][2 * h] + b0, acc[j][mt][nt][2 * h + 1] + b1);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < TM * 2 / 32; ++i) {
+      const int c = lane + 32 * i, r = c >> 1, cc = c & 1;
+      if (t0 + r < a.t)
+        *reinterpret_cast<uint4*>(a.out + static_cast<long long>(t0 + r) * a.so + col0 + 8 * cc) =
+            *reinterpret_cast<const uint4*>(ostage + r * 24 + 8 * cc);
+    }
+    __syncwarp();
+  }
+}
+
+constexpr int KS_MT = 4, KS_KP = 256;  // 64 tokens per CTA, K parts of 256 columns
+// variants: (output blocks per warp, warps): (4, 8) and (2, 16); both give a CTA 32 output blocks
+template <int OB>
+constexpr int ks_warps() { return OB == 4 ? 8 : 16; }
+
+template <int OB, bool TRANS, bool BF16>
+int launch_ks(const KsArgs& a, int grid_y, cudaStream_t stream) {
+  constexpr int W = ks_warps<OB>();
+  constexpr int smem = KsLayout<KS_MT, OB, W, KS_KP>::bytes();
+  auto kern = bs_dds_ks_kernel<KS_MT, OB, W, KS_KP, TRANS, BF16>;
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  kern<<<dim3((a.t + 16 * KS_MT - 1) / (16 * KS_MT), grid_y), W * 32, smem, stream>>>(a);
+  return static_cast<int>(cudaGetLastError());
+}
+
 }  // namespace
 
 extern "C" {
@@ -336,6 +517,40 @@ int sparsetrain_bs_dds(long long a_ptr, long long values, long long info, long l
       return bf16 ? launch_t<B, MT, W, S, true, true>(a, grid_y, s) : launch_t<B, MT, W, S, true, false>(a, grid_y, s);
     return bf16 ? launch_t<B, MT, W, S, false, true>(a, grid_y, s) : launch_t<B, MT, W, S, false, false>(a, grid_y, s);
   });
+}
+
+// The K-streamed variant (16x16 blocks) with `ob` output blocks per warp (4 or 2): its tile (tokens per CTA,
+// warps, K part); returns its shared memory in bytes, -1 for an unsupported `ob`.
+int sparsetrain_bs_dds_ks_shape(int ob, int* tm, int* warps, int* kp) {
+  if (ob != 4 && ob != 2) return -1;
+  *tm = 16 * KS_MT; *kp = KS_KP;
+  *warps = ob == 4 ? ks_warps<4>() : ks_warps<2>();
+  return ob == 4 ? KsLayout<KS_MT, 4, ks_warps<4>(), KS_KP>::bytes() : KsLayout<KS_MT, 2, ks_warps<2>(), KS_KP>::bytes();
+}
+
+int sparsetrain_bs_dds_ks(long long a_ptr, long long values, long long info, long long wstart, long long counts,
+                          long long bias, long long out, int t, int k, int sa, int so, int n_parts, int n_out,
+                          int ob, int grid_y, int trans, int bf16, int bias_f32, long long stream) {
+  if (t < 1 || (k & 15) || (sa & 7) || (so & 7) || (a_ptr & 15) || (values & 15) || (out & 15) || (info & 7) ||
+      grid_y < 1 || n_parts < 1 || n_parts * KS_KP < k)
+    return -1;
+  KsArgs a;
+  a.a = reinterpret_cast<const uint16_t*>(a_ptr);
+  a.values = reinterpret_cast<const uint16_t*>(values);
+  a.info = reinterpret_cast<const int2*>(info);
+  a.wstart = reinterpret_cast<const int32_t*>(wstart);
+  a.counts = reinterpret_cast<const int32_t*>(counts);
+  a.bias = reinterpret_cast<const void*>(bias);
+  a.out = reinterpret_cast<uint16_t*>(out);
+  a.t = t; a.k = k; a.sa = sa; a.so = so; a.bias_f32 = bias_f32; a.n_parts = n_parts; a.n_out = n_out;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  auto go = [&]<int OB>() {
+    if (trans) return bf16 ? launch_ks<OB, true, true>(a, grid_y, s) : launch_ks<OB, true, false>(a, grid_y, s);
+    return bf16 ? launch_ks<OB, false, true>(a, grid_y, s) : launch_ks<OB, false, false>(a, grid_y, s);
+  };
+  if (ob == 4) return go.template operator()<4>();
+  if (ob == 2) return go.template operator()<2>();
+  return -1;
 }
 
 }  // extern "C"
