@@ -83,7 +83,7 @@ SIGNATURES = {
     "sparsetrain_bs_dds_smem": [_I] * 4,
     "sparsetrain_bs_dds_warps": [_I] * 3,
     "sparsetrain_bs_dw": [_LL] * 6 + [_I] * 10 + [_LL],
-    "sparsetrain_bs_dds_ks": [_LL] * 7 + [_I] * 10 + [_LL],
+    "sparsetrain_bs_dds_ks": [_LL] * 7 + [_I] * 11 + [_LL],
 }
 _FAST: dict[tuple, ctypes.CDLL | None] = {}  # (name, device index, defines) -> library: the per-call lookup
 
