@@ -317,51 +317,79 @@ struct KsArgs {
   int t, k, sa, so, bias_f32, n_parts, n_out;
 };
 
-template <int MT, int OB, int WARPS, int KP>
+template <int MT, int OB, int WARPS, int KP, int S>
 struct KsLayout {
   static constexpr int TM = 16 * MT;
   static constexpr int AS = KP + 8;                  // halves per staged row
-  static constexpr int A_HALVES = 2 * TM * AS;       // two parts in flight
-  static constexpr int W_HALVES = WARPS * 256;       // one staged W block per warp
-  static constexpr int O_HALVES = WARPS * TM * 24;   // output staging (aliases the A ring at the end)
+  static constexpr int A_HALVES = 2 * TM * AS;       // part p in stage p & 1
+  static constexpr int W_HALVES = WARPS * (S * 256 + 64 * 8);  // per warp: S-stage W ring + 64 entry infos
+  static constexpr int O_HALVES = WARPS * TM * 24;   // output staging (aliases the A stages at the end)
   static constexpr int bytes() { return 2 * ((A_HALVES > O_HALVES ? A_HALVES : O_HALVES) + W_HALVES); }
 };
 
-template <int MT, int OB, int WARPS, int KP, bool TRANS, bool BF16>
+template <int MT, int OB, int WARPS, int KP, int S, bool TRANS, bool BF16>
 __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
-  using L = KsLayout<MT, OB, WARPS, KP>;
+  using L = KsLayout<MT, OB, WARPS, KP, S>;
   constexpr int TM = L::TM;
+  constexpr int CPR = KP / 8;                           // 16-byte chunks per part row
+  constexpr int PER = (TM * CPR) / (WARPS * 32);        // of them per thread
+  static_assert((TM * CPR) % (WARPS * 32) == 0, "part chunks must divide evenly");
   extern __shared__ __align__(16) uint16_t ks_smem[];
   uint16_t* smem = ks_smem;
-  uint16_t* aring = smem;
-  uint16_t* wst = smem + (L::A_HALVES > L::O_HALVES ? L::A_HALVES : L::O_HALVES);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
   const int gw = blockIdx.y * WARPS + warp;
   const int t0 = blockIdx.x * TM;
   const int ob0 = gw * OB;  // first output block of this warp
+  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t wring = smem_addr + 2u * ((L::A_HALVES > L::O_HALVES ? L::A_HALVES : L::O_HALVES) +
+                                           warp * (S * 256 + 64 * 8));
+  const uint32_t info_addr = wring + 2u * S * 256;  // 64 int2 entry infos (two batches of 32)
 
-  auto load_part = [&](int p) {  // A[t0 : t0 + TM, p * KP : (p + 1) * KP] into stage p & 1, zero past T / K
-    uint16_t* dst = aring + (p & 1) * TM * L::AS;
-    constexpr int CPR = KP / 8;
-    for (int c = threadIdx.x; c < TM * CPR; c += WARPS * 32) {
-      const int r = c / CPR, col = (c % CPR) * 8, kc = p * KP + col;
-      const bool ok = t0 + r < a.t && kc < a.k;
-      cp_async16(dst + r * L::AS + col, a.a + (ok ? static_cast<long long>(t0 + r) * a.sa + kc : 0), ok ? 16 : 0);
+  // A parts go through registers: loaded one part ahead, stored to shared memory at the part boundary (so the
+  // cp.async groups belong to the W ring alone)
+  uint4 areg[PER];
+  auto load_part = [&](int p) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int c = threadIdx.x + i * WARPS * 32, r = c / CPR, kc = p * KP + (c % CPR) * 8;
+      areg[i] = (p < a.n_parts && t0 + r < a.t && kc < a.k)
+                    ? __ldg(reinterpret_cast<const uint4*>(a.a + static_cast<long long>(t0 + r) * a.sa + kc))
+                    : make_uint4(0, 0, 0, 0);
     }
-    cp_async_commit();
+  };
+  auto store_part = [&](int p) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const int c = threadIdx.x + i * WARPS * 32, r = c / CPR, col = (c % CPR) * 8;
+      *reinterpret_cast<uint4*>(smem + (p & 1) * TM * L::AS + r * L::AS + col) = areg[i];
+    }
   };
 
   const bool active = ob0 < a.n_out;
-  const int e0 = active ? a.wstart[gw] : 0, e1 = active ? a.wstart[gw + 1] : 0;
+  const int e0 = active ? a.wstart[gw] : 0, n_e = active ? a.wstart[gw + 1] - e0 : 0;
+  int2* info_s = reinterpret_cast<int2*>(smem + (info_addr - smem_addr) / 2);
+  const int2 none = make_int2(-1, 0);
+  int2 pre = lane < n_e ? __ldg(a.info + e0 + lane) : none;
+  info_s[lane] = pre;
+  pre = 32 + lane < n_e ? __ldg(a.info + e0 + 32 + lane) : none;
+  __syncwarp();
+  const int w_dst = 16 * Swz<16>::chunk(lane >> 1, lane & 1);  // this lane's 16-byte chunk of a W block
+  auto issue = [&](int q, int stage) {  // entry q's W block into `stage`; one commit group, possibly empty
+    if (q < n_e) {
+      const int off = lds32(info_addr + 8u * (q & 63));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(wring + 512u * stage + w_dst),
+                   "l"(a.values + (off >= 0 ? off : 0) + 8 * lane), "r"(off >= 0 ? 16 : 0));
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int q = 0; q < S - 1; ++q) issue(q, q);
+
   const int lq = lane >> 3, l8 = lane & 7;
-  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t w_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wst + warp * 256));
   const int a_lane = (lane & 15) * L::AS + 8 * (lane >> 4);
   const uint32_t b_lane = TRANS ? 16u * Swz<16>::chunk((lq & 1) * 8 + l8, lq >> 1)
                                 : 16u * Swz<16>::chunk((lq >> 1) * 8 + l8, lq & 1);
-  const int w_dst = 16 * Swz<16>::chunk(lane >> 1, lane & 1);  // this lane's 16-byte chunk of a staged block
-
   float acc[OB][MT][2][4];
 #pragma unroll
   for (int j = 0; j < OB; ++j)
@@ -372,43 +400,37 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][mt][nt][i] = 0.f;
 
-  // entries two ahead: info and the lane's 16 bytes of the W block
-  auto fetch = [&](int e, int2& inf, uint4& w) {
-    if (e < e1) {
-      inf = __ldg(a.info + e);
-      w = __ldg(reinterpret_cast<const uint4*>(a.values + inf.x) + lane);
-    }
-  };
-  int2 inf0 = make_int2(0, 0), inf1 = make_int2(0, 0);
-  uint4 w0 = make_uint4(0, 0, 0, 0), w1 = make_uint4(0, 0, 0, 0);
-  fetch(e0, inf0, w0);
-  fetch(e0 + 1, inf1, w1);
-  int e = e0;
-
   load_part(0);
+  store_part(0);
+  load_part(1);
+  int q = 0, stage = 0, stage_in = S - 1;
   for (int p = 0; p < a.n_parts; ++p) {
-    cp_async_wait<0>();
-    __syncthreads();  // part p landed everywhere; every warp is done with part p - 1 (its stage is reused next)
-    if (p + 1 < a.n_parts) load_part(p + 1);
+    __syncthreads();  // part p is in shared memory everywhere; every warp is done with part p - 1
+    if (p + 1 < a.n_parts) {
+      store_part(p + 1);  // into the stage part p - 1 used (its loads were issued a part ago)
+      load_part(p + 2);
+    }
     if (!active) continue;
     const uint32_t abase = smem_addr + 2u * ((p & 1) * TM * L::AS + a_lane);
     const int* cnt = a.counts + (static_cast<long long>(gw) * a.n_parts + p) * OB;
 #pragma unroll
     for (int j = 0; j < OB; ++j) {
       const int n = __ldg(cnt + j);
-      for (int i = 0; i < n; ++i, ++e) {
-        // stage this entry's W block, then move the prefetch window
-        __syncwarp();  // the previous entry's ldmatrix reads are done
-        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(w_addr + w_dst), "r"(w0.x), "r"(w0.y),
-                     "r"(w0.z), "r"(w0.w));
-        const int acol = inf0.y;
-        inf0 = inf1;
-        w0 = w1;
-        fetch(e + 2, inf1, w1);
+      for (int i = 0; i < n; ++i, ++q) {
+        if ((q & 31) == 16) {  // next info batch into the half the previous batch used
+          info_s[(q + 16 + lane) & 63] = pre;
+          __syncwarp();
+          pre = q + 48 + lane < n_e ? __ldg(a.info + e0 + q + 48 + lane) : none;
+        }
+        issue(q + S - 1, stage_in);
+        stage_in = stage_in + 1 == S ? 0 : stage_in + 1;
+        const int acol = lds32(info_addr + 8u * (q & 63) + 4u);
+        cp_async_wait<S - 1>();
         __syncwarp();
         uint32_t r[4];
-        if constexpr (TRANS) ldsm_x4_t(r, w_addr + b_lane);
-        else ldsm_x4(r, w_addr + b_lane);
+        if constexpr (TRANS) ldsm_x4_t(r, wring + 512u * stage + b_lane);
+        else ldsm_x4(r, wring + 512u * stage + b_lane);
+        stage = stage + 1 == S ? 0 : stage + 1;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           uint32_t af[4];
@@ -416,9 +438,11 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
           mma16816<BF16>(acc[j][mt][0], af, r[0], r[1]);
           mma16816<BF16>(acc[j][mt][1], af, r[2], r[3]);
         }
+        __syncwarp();  // every lane is done with this stage before a later issue() overwrites it
       }
     }
   }
+  cp_async_wait<0>();
   __syncthreads();  // the A ring becomes the output staging area
   if (!active) return;
   uint16_t* ostage = smem + warp * TM * 24;
@@ -461,7 +485,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
   }
 }
 
-constexpr int KS_MT = 4, KS_KP = 256;  // 64 tokens per CTA, K parts of 256 columns
+constexpr int KS_MT = 4, KS_KP = 256, KS_S = 6;  // 64 tokens per CTA, K parts of 256 columns, W ring stages
 // variants: (output blocks per warp, warps): (4, 8) and (2, 16); both give a CTA 32 output blocks
 template <int OB>
 constexpr int ks_warps() { return OB == 4 ? 8 : 16; }
@@ -469,8 +493,8 @@ constexpr int ks_warps() { return OB == 4 ? 8 : 16; }
 template <int OB, bool TRANS, bool BF16>
 int launch_ks(const KsArgs& a, int grid_y, cudaStream_t stream) {
   constexpr int W = ks_warps<OB>();
-  constexpr int smem = KsLayout<KS_MT, OB, W, KS_KP>::bytes();
-  auto kern = bs_dds_ks_kernel<KS_MT, OB, W, KS_KP, TRANS, BF16>;
+  constexpr int smem = KsLayout<KS_MT, OB, W, KS_KP, KS_S>::bytes();
+  auto kern = bs_dds_ks_kernel<KS_MT, OB, W, KS_KP, KS_S, TRANS, BF16>;
   if (smem > 48 * 1024) {
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return static_cast<int>(err);
@@ -525,7 +549,8 @@ int sparsetrain_bs_dds_ks_shape(int ob, int* tm, int* warps, int* kp) {
   if (ob != 4 && ob != 2) return -1;
   *tm = 16 * KS_MT; *kp = KS_KP;
   *warps = ob == 4 ? ks_warps<4>() : ks_warps<2>();
-  return ob == 4 ? KsLayout<KS_MT, 4, ks_warps<4>(), KS_KP>::bytes() : KsLayout<KS_MT, 2, ks_warps<2>(), KS_KP>::bytes();
+  return ob == 4 ? KsLayout<KS_MT, 4, ks_warps<4>(), KS_KP, KS_S>::bytes()
+                 : KsLayout<KS_MT, 2, ks_warps<2>(), KS_KP, KS_S>::bytes();
 }
 
 int sparsetrain_bs_dds_ks(long long a_ptr, long long values, long long info, long long wstart, long long counts,
