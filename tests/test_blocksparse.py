@@ -578,3 +578,20 @@ def test_k_streamed_tables():
                             e += 1
                 assert e == wstart[w + 1]
             assert sorted(seen) == list(range(meta.n_blocks))
+
+
+def test_ctypes_signatures_match_the_cuda_sources():
+    """Every launcher in ``_cuda.SIGNATURES`` is declared in a ``csrc/*.cu`` file with exactly those argument
+    types (a wrong count crashed the process on the GPU once: ctypes cannot check it)."""
+    import ctypes
+    import re
+
+    from sparsetrain.kernels import _cuda
+
+    src = "".join(p.read_text() for p in sorted(_cuda.CSRC.glob("*.cu")))
+    kinds = {"long long": ctypes.c_longlong, "int": ctypes.c_int}
+    for name, argtypes in _cuda.SIGNATURES.items():
+        m = re.search(rf"\bint {name}\(([^)]*)\)", src)
+        assert m, f"{name} is not declared in csrc/"
+        params = [" ".join(p.split()[:-1]) for p in m.group(1).split(",")]
+        assert [kinds[p] for p in params] == argtypes, name
