@@ -399,6 +399,14 @@ def test_gpu_cuda_dds_every_tile(dtype, b, pattern, poison):
     probe = torch.empty(1, O, device="cuda", dtype=dtype)
     tiles = cuda_dds.candidates(probe, b, O)
     assert len(tiles) == len(cuda_dds.CANDIDATES), "the CUDA kernel did not build or a tile does not fit"
+    _check_dds_tiles(meta, tiles, I, O, b, dtype)
+    plans = list(meta._groups["plans"].values())
+    assert len(plans) == 16 * len(tiles) and all(isinstance(p, cuda_dds.CudaDdsPlan) for p in plans)
+
+
+def _check_dds_tiles(meta, tiles, I, O, b, dtype):
+    """Forward and input gradient through each forced tile vs the fp32 reference: T = 1037 and 5, no bias /
+    bias in the activation dtype / fp32 bias, values in the activation dtype and fp32 master values."""
     for T in (1000 + 37, 5):
         x = torch.randn(T, I, device="cuda", dtype=dtype)
         g = torch.randn(T, O, device="cuda", dtype=dtype)
@@ -414,8 +422,6 @@ def test_gpu_cuda_dds_every_tile(dtype, b, pattern, poison):
                     y_ref = x.float() @ w.t() + (0 if bias is None else bias.float())
                     assert rel(y, y_ref) < 1e-2, (cfg, T, vdt, bdt)
                     assert rel(dx, g.float() @ w) < 1e-2, (cfg, T, vdt)
-    plans = list(meta._groups["plans"].values())
-    assert len(plans) == 16 * len(tiles) and all(isinstance(p, cuda_dds.CudaDdsPlan) for p in plans)
 
 
 def test_cuda_dds_entry_info_and_warp_ranges():
@@ -525,21 +531,7 @@ def test_gpu_cuda_k_streamed_every_tile(dtype, pattern, poison):
     meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // b, I // b), gen), b).to("cuda")
     tiles = cuda_dds.ks_candidates(torch.empty(1, I, device="cuda", dtype=dtype), b, I)
     assert len(tiles) == len(cuda_dds.KS_CANDIDATES), "the CUDA kernel did not build or a tile does not fit"
-    for T in (1037, 5):
-        x = torch.randn(T, I, device="cuda", dtype=dtype)
-        g = torch.randn(T, O, device="cuda", dtype=dtype)
-        for cfg in tiles:
-            for vdt in (dtype, torch.float32):
-                values = (torch.randn(meta.n_blocks, b, b, device="cuda") / b**0.5).to(vdt)
-                w = values_to_dense(values.float(), meta)
-                for bdt in (None, dtype, torch.float32):
-                    bias = None if bdt is None else torch.randn(O, device="cuda").to(bdt)
-                    with forced_config(fwd=cfg, dx=cfg):
-                        y = bs._dds(x, values, meta, bias, forward=True)
-                        dx = bs._dds(g, values, meta, None, forward=False)
-                    y_ref = x.float() @ w.t() + (0 if bias is None else bias.float())
-                    assert rel(y, y_ref) < 1e-2, (cfg, T, vdt, bdt)
-                    assert rel(dx, g.float() @ w) < 1e-2, (cfg, T, vdt)
+    _check_dds_tiles(meta, tiles, I, O, b, dtype)
     plans = list(meta._groups["plans"].values())
     assert plans and all(isinstance(p, cuda_dds.CudaKsPlan) for p in plans)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -53,12 +54,22 @@ class CompressedWeight:
     def device(self) -> torch.device:
         return self.values.device
 
-    def tensors(self) -> dict[str, Tensor]:  # pragma: no cover - every format defines it
-        raise NotImplementedError
+    TENSORS: ClassVar[tuple[str, ...]] = ()  # the stored tensors' field names, in constructor order
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The stored tensors by name (what a checkpoint saves); see :meth:`from_tensors`."""
+        return {name: getattr(self, name) for name in self.TENSORS}
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], shape: tuple[int, int]):  # pragma: no cover
-        raise NotImplementedError
+    def from_tensors(cls, tensors: dict[str, Tensor], shape: tuple[int, int]):
+        """Inverse of :meth:`tensors`."""
+        return cls(**{name: tensors[name] for name in cls.TENSORS}, shape=(int(shape[0]), int(shape[1])),
+                   **cls._derived(tensors))
+
+    @classmethod
+    def _derived(cls, tensors: dict[str, Tensor]) -> dict:
+        """Constructor fields read off the stored tensors (e.g. the tile height), if a format has any."""
+        return {}
 
     def nbytes(self) -> int:
         """Bytes of all stored tensors."""
@@ -66,6 +77,24 @@ class CompressedWeight:
 
     def to(self, device: torch.device | str):
         return type(self).from_tensors({name: t.to(device) for name, t in self.tensors().items()}, self.shape)
+
+    def to_dense(self, use_kernel: bool | None = None) -> Tensor:
+        """The exact ``[M, K]`` weight: the format's Triton decode kernel (default on CUDA; what prefill calls,
+        more than 64 tokens) or plain torch ops."""
+        if use_kernel is None:
+            use_kernel = self.values.is_cuda
+        if not use_kernel:
+            return self._to_dense_torch()
+        out = torch.empty(*self.shape, dtype=self.dtype, device=self.device)
+        self._decode_into(out)
+        return out
+
+    def _to_dense_torch(self) -> Tensor:  # pragma: no cover - every format defines it
+        raise NotImplementedError
+
+    def _decode_into(self, out: Tensor) -> None:  # pragma: no cover - every format defines it
+        """Launch the format's Triton decode kernel writing every element of ``out [M, K]``."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -88,28 +117,18 @@ class CslWeight(CompressedWeight):
     block_m: int = TILE_M
     fmt: str = "csl"
 
-    def tensors(self) -> dict[str, Tensor]:
-        return {"values": self.values, "locs": self.locs, "sub_offsets": self.sub_offsets,
-                "tile_offsets": self.tile_offsets}
+    TENSORS: ClassVar[tuple[str, ...]] = ("values", "locs", "sub_offsets", "tile_offsets")
 
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], shape: tuple[int, int]) -> CslWeight:
-        return cls(tensors["values"], tensors["locs"], tensors["sub_offsets"], tensors["tile_offsets"],
-                   (int(shape[0]), int(shape[1])))
-
-    def to_dense(self, use_kernel: bool | None = None) -> Tensor:
-        """The exact ``[M, K]`` weight: the Triton decode kernel (default on CUDA; what prefill calls, more than
-        64 tokens) or plain torch."""
-        if use_kernel is None:
-            use_kernel = self.values.is_cuda
+    def _decode_into(self, out: Tensor) -> None:
+        from ._spmm_infer_triton import decode_csl_kernel
         m, k = self.shape
         tm, tk = self.tile_offsets.shape
-        if use_kernel:
-            from ._spmm_infer_triton import decode_csl_kernel
-            out = torch.empty(m, k, dtype=self.dtype, device=self.device)
-            decode_csl_kernel[(tm, tk)](self.values, self.locs, self.sub_offsets, self.tile_offsets, out, m, k,
-                                        out.stride(0), tk, self.nnz, BM=TILE_M, CHUNK=512, num_warps=4)
-            return out
+        decode_csl_kernel[(tm, tk)](self.values, self.locs, self.sub_offsets, self.tile_offsets, out, m, k,
+                                    out.stride(0), tk, self.nnz, BM=TILE_M, CHUNK=512, num_warps=4)
+
+    def _to_dense_torch(self) -> Tensor:
+        m, k = self.shape
+        tm, tk = self.tile_offsets.shape
         counts = _sub_counts(self).reshape(-1)  # per sub-tile, in storage order
         sub_id = torch.repeat_interleave(torch.arange(counts.numel(), device=self.device), counts)
         loc = self.locs.long()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -96,17 +97,11 @@ class SparseInferenceWeight(CompressedWeight):
         """Stored nonzeros (the values minus one zero slot per tile row)."""
         return self.values.numel() - self.row_offsets.numel()
 
-    def tensors(self) -> dict[str, Tensor]:
-        """The stored tensors by name (what a checkpoint saves); see :meth:`from_tensors`."""
-        return {"bitmap": self.bitmap, "values": self.values, "row_offsets": self.row_offsets,
-                "tile_offsets": self.tile_offsets}
+    TENSORS: ClassVar[tuple[str, ...]] = ("bitmap", "values", "row_offsets", "tile_offsets")
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], shape: tuple[int, int]) -> SparseInferenceWeight:
-        """Inverse of :meth:`tensors` (tile shape read off the bitmap)."""
-        bitmap = tensors["bitmap"]
-        return cls(bitmap, tensors["values"], tensors["row_offsets"], tensors["tile_offsets"],
-                   (int(shape[0]), int(shape[1])), bitmap.shape[2])
+    def _derived(cls, tensors: dict[str, Tensor]) -> dict:
+        return {"block_m": tensors["bitmap"].shape[2]}  # the tile height, read off the bitmap
 
     def nbytes(self) -> int:
         """Bytes of all stored tensors.
@@ -116,24 +111,17 @@ class SparseInferenceWeight(CompressedWeight):
         """
         return super().nbytes()
 
-    def to_dense(self, use_kernel: bool | None = None) -> Tensor:
-        """The ``[M, K]`` dense weight (exact: zeros where the bitmap is 0).
-
-        ``use_kernel`` (default: on CUDA) expands with the Triton decode kernel instead of torch ops.
-        """
-        if use_kernel is None:
-            use_kernel = self.values.is_cuda
-        if not use_kernel:
-            return _to_dense_torch(self)
+    def _decode_into(self, out: Tensor) -> None:
         from ._spmm_infer_triton import decode_bitmap_kernel
         m, k = self.shape
-        out = torch.empty(m, k, dtype=self.dtype, device=self.device)
         tm, tk = self.tile_offsets.shape
         decode_bitmap_kernel[(tm, tk)](
             self.bitmap.view(torch.int32), self.row_offsets, self.values, self.tile_offsets, out,
             m, k, out.stride(0), tk, self.values.element_size(), BM=self.block_m,
             USE_POPC=self.values.is_cuda, num_warps=CONFIG["num_warps"])
-        return out
+
+    def _to_dense_torch(self) -> Tensor:
+        return _to_dense_torch(self)
 
 
 def _masks(w: SparseInferenceWeight) -> Tensor:

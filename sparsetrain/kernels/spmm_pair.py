@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -58,28 +59,17 @@ class PairWeight(CompressedWeight):
         """Nonzero weights (the stored values minus the zero halves of stored pairs; one device sync)."""
         return int((self.values != 0).sum())
 
-    def tensors(self) -> dict[str, Tensor]:
-        return {"bitmap": self.bitmap, "values": self.values, "row_offsets": self.row_offsets,
-                "tile_offsets": self.tile_offsets}
+    TENSORS: ClassVar[tuple[str, ...]] = ("bitmap", "values", "row_offsets", "tile_offsets")
 
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], shape: tuple[int, int]) -> PairWeight:
-        return cls(tensors["bitmap"], tensors["values"], tensors["row_offsets"], tensors["tile_offsets"],
-                   (int(shape[0]), int(shape[1])))
-
-    def to_dense(self, use_kernel: bool | None = None) -> Tensor:
-        """The exact ``[M, K]`` weight: the Triton decode kernel (default on CUDA; what prefill calls, more than
-        64 tokens) or plain torch."""
-        if use_kernel is None:
-            use_kernel = self.values.is_cuda
+    def _decode_into(self, out: Tensor) -> None:
+        from ._spmm_infer_triton import decode_pair_kernel
         m, k = self.shape
-        if use_kernel:
-            from ._spmm_infer_triton import decode_pair_kernel
-            out = torch.empty(m, k, dtype=self.dtype, device=self.device)
-            tm, tk = self.tile_offsets.shape
-            decode_pair_kernel[(tm, tk)](self.bitmap, self.row_offsets, self.values, self.tile_offsets, out,
-                                         m, k, out.stride(0), tk, BM=TILE_M, num_warps=4)
-            return out
+        tm, tk = self.tile_offsets.shape
+        decode_pair_kernel[(tm, tk)](self.bitmap, self.row_offsets, self.values, self.tile_offsets, out,
+                                     m, k, out.stride(0), tk, BM=TILE_M, num_warps=4)
+
+    def _to_dense_torch(self) -> Tensor:
+        m, k = self.shape
         tm, tk = self.tile_offsets.shape
         shifts = torch.arange(PAIRS, device=self.device, dtype=torch.int32)
         present = ((self.bitmap.unsqueeze(-1) >> shifts) & 1).bool()  # [TM, TK, 128, 32]

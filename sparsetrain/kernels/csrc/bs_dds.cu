@@ -70,6 +70,51 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// Writes one warp's finished [16 * MT tokens x BLK] output tile (+ bias) and zeroes its accumulators: fragments
+// into the warp's shared-memory staging tile (rows BLK + 8 halves apart: conflict-free), then 16-byte stores of
+// whole rows, rows past T skipped.
+template <int BLK, int MT, bool BF16>
+__device__ __forceinline__ void store_block(float (&acc)[MT][BLK / 8][4], uint16_t* ostage, const void* bias,
+                                            int bias_f32, uint16_t* out, int so, int t, int t0, int col0) {
+  using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
+  constexpr int OS = BLK + 8, RCH = BLK / 8;  // staged row stride (halves), 16-byte chunks per row
+  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < BLK / 8; ++nt) {
+    const int c = nt * 8 + 2 * t4;
+    float b0 = 0.f, b1 = 0.f;
+    if (bias) {
+      if (bias_f32) {
+        const float2 bv = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(bias) + col0 + c));
+        b0 = bv.x;
+        b1 = bv.y;
+      } else {
+        const T* bp = static_cast<const T*>(bias) + col0 + c;
+        b0 = to_float<T>(bp[0]);
+        b1 = to_float<T>(bp[1]);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        *reinterpret_cast<uint32_t*>(ostage + (mt * 16 + g + 8 * h) * OS + c) =
+            pack2<BF16>(acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
+        acc[mt][nt][2 * h] = 0.f;
+        acc[mt][nt][2 * h + 1] = 0.f;
+      }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 16 * MT * RCH / 32; ++i) {
+    const int c = lane + 32 * i, r = c / RCH, cc = c % RCH;
+    if (t0 + r < t)
+      *reinterpret_cast<uint4*>(out + static_cast<long long>(t0 + r) * so + col0 + 8 * cc) =
+          *reinterpret_cast<const uint4*>(ostage + r * OS + 8 * cc);
+  }
+  __syncwarp();
+}
+
 // Shared memory: the A tile [TM][K + 8] | per warp: S ring stages of one W block, a 64-entry ring of entry
 // infos (two batches of 32), an output staging tile [TM][BLK + 8].
 template <int BLK, int MT, int WARPS, int S>
@@ -82,7 +127,6 @@ struct Layout {
 
 template <int BLK, int MT, int WARPS, int S, bool TRANS, bool BF16>
 __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
-  using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   using L = Layout<BLK, MT, WARPS, S>;
   constexpr int TM = L::TM;
   constexpr int NT = BLK / 8;         // n8 tiles per output block
@@ -91,7 +135,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
   constexpr int CPL = (BCH + 31) / 32;  // of them per lane
   extern __shared__ __align__(16) unsigned char smem[];
   const int xs_stride = a.k + 8;  // halves; +16 bytes per row: ldmatrix rows fall in distinct banks
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   unsigned char* wbase = smem + 2 * TM * xs_stride + warp * L::WARP_BYTES;
   const uint32_t ring_addr = static_cast<uint32_t>(__cvta_generic_to_shared(wbase));
@@ -214,44 +258,8 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
     }
     __syncwarp();  // every lane is done with this stage before a later issue() overwrites it
 
-    if (inf.w) {  // the output block is complete: + bias, stage in shared memory, 16-byte stores
-      const int col0 = inf.z;
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int c = nt * 8 + 2 * t4;
-        float b0 = 0.f, b1 = 0.f;
-        if (a.bias) {
-          if (a.bias_f32) {
-            const float2 bv = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(a.bias) + col0 + c));
-            b0 = bv.x;
-            b1 = bv.y;
-          } else {
-            const T* bp = static_cast<const T*>(a.bias) + col0 + c;
-            b0 = to_float<T>(bp[0]);
-            b1 = to_float<T>(bp[1]);
-          }
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            *reinterpret_cast<uint32_t*>(ostage + (mt * 16 + g + 8 * h) * L::OS + c) =
-                pack2<BF16>(acc[mt][nt][2 * h] + b0, acc[mt][nt][2 * h + 1] + b1);
-            acc[mt][nt][2 * h] = 0.f;
-            acc[mt][nt][2 * h + 1] = 0.f;
-          }
-      }
-      __syncwarp();
-      constexpr int RCH = BLK / 8;  // 16-byte chunks per output row
-#pragma unroll
-      for (int i = 0; i < TM * RCH / 32; ++i) {
-        const int c = lane + 32 * i, r = c / RCH, cc = c % RCH;
-        if (t0 + r < a.t)
-          *reinterpret_cast<uint4*>(a.out + static_cast<long long>(t0 + r) * a.so + col0 + 8 * cc) =
-              *reinterpret_cast<const uint4*>(ostage + r * L::OS + 8 * cc);
-      }
-      __syncwarp();
-    }
+    if (inf.w)  // the output block is complete
+      store_block<BLK, MT, BF16>(acc, ostage, a.bias, a.bias_f32, a.out, a.so, a.t, t0, inf.z);
   }
   cp_async_wait<0>();
 }
@@ -329,7 +337,6 @@ struct KsLayout {
 
 template <int MT, int OB, int WARPS, int KP, int S, bool TRANS, bool BF16>
 __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
-  using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   using L = KsLayout<MT, OB, WARPS, KP, S>;
   constexpr int TM = L::TM;
   constexpr int CPR = KP / 8;                           // 16-byte chunks per part row
@@ -337,7 +344,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
   static_assert((TM * CPR) % (WARPS * 32) == 0, "part chunks must divide evenly");
   extern __shared__ __align__(16) uint16_t ks_smem[];
   uint16_t* smem = ks_smem;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int gw = blockIdx.y * WARPS + warp;
   const int t0 = blockIdx.x * TM;
   const int ob0 = gw * OB;  // first output block of this warp
@@ -448,40 +455,8 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
   uint16_t* ostage = smem + warp * TM * 24;
 #pragma unroll
   for (int j = 0; j < OB; ++j) {
-    const int ob = ob0 + j;
-    if (ob >= a.n_out) break;
-    const int col0 = ob * 16;
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int c = nt * 8 + 2 * t4;
-      float b0 = 0.f, b1 = 0.f;
-      if (a.bias) {
-        if (a.bias_f32) {
-          const float2 bv = __ldg(reinterpret_cast<const float2*>(static_cast<const float*>(a.bias) + col0 + c));
-          b0 = bv.x;
-          b1 = bv.y;
-        } else {
-          const T* bp = static_cast<const T*>(a.bias) + col0 + c;
-          b0 = to_float<T>(bp[0]);
-          b1 = to_float<T>(bp[1]);
-        }
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          *reinterpret_cast<uint32_t*>(ostage + (mt * 16 + g + 8 * h) * 24 + c) =
-              pack2<BF16>(acc[j][mt][nt][2 * h] + b0, acc[j][mt][nt][2 * h + 1] + b1);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < TM * 2 / 32; ++i) {
-      const int c = lane + 32 * i, r = c >> 1, cc = c & 1;
-      if (t0 + r < a.t)
-        *reinterpret_cast<uint4*>(a.out + static_cast<long long>(t0 + r) * a.so + col0 + 8 * cc) =
-            *reinterpret_cast<const uint4*>(ostage + r * 24 + 8 * cc);
-    }
-    __syncwarp();
+    if (ob0 + j >= a.n_out) break;
+    store_block<16, MT, BF16>(acc[j], ostage, a.bias, a.bias_f32, a.out, a.so, a.t, t0, (ob0 + j) * 16);
   }
 }
 
