@@ -41,6 +41,16 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// float2 atomics exist from sm_90 on; two scalar ones elsewhere (e.g. an A100 builds and runs this too).
+__device__ __forceinline__ void add2(float* p, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(p), make_float2(x, y));
+#else
+  atomicAdd(p, x);
+  atomicAdd(p + 1, y);
+#endif
+}
+
 template <int TC, bool BF16>
 __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
@@ -148,12 +158,11 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          atomicAdd(reinterpret_cast<float2*>(d + (g + 8 * h) * BLK + nt * 8 + 2 * t4),
-                    make_float2(acc[j][nt][2 * h], acc[j][nt][2 * h + 1]));
+          add2(d + (g + 8 * h) * BLK + nt * 8 + 2 * t4, acc[j][nt][2 * h], acc[j][nt][2 * h + 1]);
     }
   }
   if (do_bias && n_chunks > 0)
-    atomicAdd(reinterpret_cast<float2*>(a.db + c.bias_c0 + 2 * threadIdx.x), make_float2(bsum0, bsum1));
+    add2(a.db + c.bias_c0 + 2 * threadIdx.x, bsum0, bsum1);
 }
 
 template <int TC, bool BF16>
