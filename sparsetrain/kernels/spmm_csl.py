@@ -152,18 +152,25 @@ def _sub_counts(w: CslWeight) -> Tensor:
     return (sub_end - sub).reshape(tm, tk, N_SUB)
 
 
-def compress_csl(weight: Tensor) -> CslWeight:
-    """Builds the tiled-CSL format of a 2-D float weight on its own device (exact zeros dropped)."""
+def padded_tiles(weight: Tensor) -> tuple[Tensor, int, int]:
+    """Checks a weight to compress (2-D, fp16/bf16/fp32) and zero-pads it to whole ``128 x 64`` tiles:
+    ``(padded [TM*128, TK*64], TM, TK)`` (detached)."""
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor [M, K], got {type(weight).__name__} "
                          f"{tuple(getattr(weight, 'shape', ()))}")
     if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"weight dtype must be float16, bfloat16 or float32, got {weight.dtype}")
-    weight = weight.detach()
     m, k = weight.shape
     tm, tk = math.ceil(m / TILE_M), math.ceil(k / TILE_K)
     padded = weight.new_zeros(tm * TILE_M, tk * TILE_K)
-    padded[:m, :k] = weight
+    padded[:m, :k] = weight.detach()
+    return padded, tm, tk
+
+
+def compress_csl(weight: Tensor) -> CslWeight:
+    """Builds the tiled-CSL format of a 2-D float weight on its own device (exact zeros dropped)."""
+    padded, tm, tk = padded_tiles(weight)
+    m, k = weight.shape
     # [TM, 8 sub-rows, 16, TK, 4 sub-cols, 16] -> [TM, TK, 8, 4, 16, 16]: storage order.
     t = padded.view(tm, TILE_M // SUB, SUB, tk, TILE_K // SUB, SUB).permute(0, 3, 1, 4, 2, 5)
     mask = t != 0

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from sparsetrain.kernels import _launch
-from sparsetrain.kernels.spmm_csl import CompressedWeight
+from sparsetrain.kernels.spmm_csl import CompressedWeight, padded_tiles
 
 TILE_M, TILE_K = 128, 64
 PAIRS = TILE_K // 2  # 32: one bitmap word per tile row
@@ -81,16 +81,8 @@ class PairWeight(CompressedWeight):
 
 def compress_pair(weight: Tensor) -> PairWeight:
     """Builds the pair-bitmap format of a 2-D float weight on its own device (all-zero pairs dropped)."""
-    if not isinstance(weight, Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [M, K], got {type(weight).__name__} "
-                         f"{tuple(getattr(weight, 'shape', ()))}")
-    if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"weight dtype must be float16, bfloat16 or float32, got {weight.dtype}")
-    weight = weight.detach()
+    padded, tm, tk = padded_tiles(weight)
     m, k = weight.shape
-    tm, tk = math.ceil(m / TILE_M), math.ceil(k / TILE_K)
-    padded = weight.new_zeros(tm * TILE_M, tk * TILE_K)
-    padded[:m, :k] = weight
     pairs = padded.view(tm, TILE_M, tk, PAIRS, 2).permute(0, 2, 1, 3, 4)  # [TM, TK, 128, 32, 2]
     present = (pairs != 0).any(-1)
     values = pairs[present].reshape(-1)
