@@ -215,3 +215,37 @@ def test_trainer_compile_runs_and_matches_eager_closely(tmp_path):
     for a, b in zip(compiled, eager):
         assert abs(a["loss"] - b["loss"]) < 0.05
     assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["status"] == "finished"
+
+
+def test_plot_blocksparse_merges_runs_and_writes_png(tmp_path):
+    """scripts/plot_blocksparse.py on two hand-made benchmark files: the later file's row replaces the
+    earlier one's, and a PNG is written."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("plot_bs", os.path.join(root, "scripts", "plot_blocksparse.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(speed):
+        row = {f"b{b}_d{d}": {"speedup": {"fwd_bwd": speed * b * (1 - d), "peer_fwd": 0.5}}
+               for b in (16, 64) for d in (0.1, 0.5)}
+        return {"results": {"env": {"gpu": "test", "date": "2026-11-21"},
+                            "linear": {"1024x4096": {"dense": {"fwd": 1.0}, **row}, "tuned": {}}}}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(run(1.0)))
+    later = run(2.0)
+    del later["results"]["linear"]["1024x4096"]["b64_d0.1"]
+    b.write_text(json.dumps(later))
+    rows, env = mod.load_rows([str(a), str(b)])
+    assert env["gpu"] == "test"
+    assert rows["1024x4096"]["b16_d0.1"]["speedup"]["fwd_bwd"] == 2.0 * 16 * 0.9  # replaced by the later file
+    assert rows["1024x4096"]["b64_d0.1"]["speedup"]["fwd_bwd"] == 1.0 * 64 * 0.9  # kept from the earlier one
+    png = tmp_path / "p.png"
+    old = sys.argv
+    sys.argv = ["plot_blocksparse.py", str(a), str(b), "--png", str(png)]
+    try:
+        mod.main()
+    finally:
+        sys.argv = old
+    assert png.stat().st_size > 10_000
