@@ -148,6 +148,26 @@ __device__ __forceinline__ void copy_window(void* dst, const void* src, int n_ch
   }
 }
 
+// [first, end) of tile `tile`'s stored elements (the matrix's last tile ends at n_values).
+struct TileSpan {
+  long long s, e;
+};
+__device__ __forceinline__ TileSpan tile_span(const SkinnyArgs& a, int tile) {
+  return {a.tile_off[tile], tile + 1 < a.n_tiles ? static_cast<long long>(a.tile_off[tile + 1]) : a.n_values};
+}
+
+// Copies a tile's run of ELEM-byte elements of `src` into `dst` from the 16-byte boundary at or below its first
+// (cp.async); returns the index of the tile's first element in `dst`.
+template <int ELEM, int THREADS>
+__device__ __forceinline__ int stage_run(const SkinnyArgs& a, const void* src, TileSpan t, void* dst) {
+  constexpr int PER = 16 / ELEM;
+  const long long base = t.s & ~static_cast<long long>(PER - 1);
+  copy_window<ELEM, THREADS>(dst, static_cast<const char*>(src) + ELEM * base,
+                             static_cast<int>((t.e - base + PER - 1) / PER),
+                             static_cast<int>(min(a.n_values - base, 1LL << 30)));
+  return static_cast<int>(t.s - base);
+}
+
 // The X slice [NT * 8 tokens, BK columns] of one tile into shared memory rows STRIDE halves apart, in pieces
 // of PIECE halves (4: 8-byte copies, for strides that are not 16-byte multiples; 8: 16-byte copies); rows past
 // N and columns past K zero-filled. Each thread's pieces are the same for every tile: their offsets in X are

@@ -47,11 +47,7 @@ template <int NT>
 __device__ __forceinline__ int stage_tile(const Args& a, const XCopies<NT>& xc, int tile, int kt, uint16_t* sv,
                                           uint16_t* xs, uint32_t* sbm, int16_t* sro) {
   const int tid = threadIdx.x;
-  const long long s = a.tile_off[tile];
-  const long long e = (tile + 1 < a.n_tiles) ? static_cast<long long>(a.tile_off[tile + 1]) : a.n_values;
-  const long long base = s & ~7LL;  // 8 halves = 16 bytes: the window starts aligned below the tile
-  copy_window<2, THREADS>(sv, a.values + base, static_cast<int>((e - base + 7) >> 3),
-                          static_cast<int>(min(a.n_values - base, 1LL << 30)));
+  const int first = stage_run<2, THREADS>(a, a.values, tile_span(a, tile), sv);
   xc.issue(a, xs, kt);
   // 128 rows x 8 bytes of bitmap = 64 chunks; 128 x 2 bytes of row offsets = 16 chunks.
   if (tid < 64) {
@@ -60,7 +56,7 @@ __device__ __forceinline__ int stage_tile(const Args& a, const XCopies<NT>& xc, 
     const int c = tid - 64;
     cp_async16(sro + 8 * c, a.row_off + static_cast<long long>(tile) * BM + 8 * c, 16);
   }
-  return static_cast<int>(s - base);
+  return first;
 }
 
 template <int NT, bool BF16>

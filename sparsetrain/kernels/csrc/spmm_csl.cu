@@ -48,16 +48,12 @@ template <int NT>
 __device__ __forceinline__ Staged stage_tile(const Args& a, const XCopies<NT>& xc, int tile, int kt, uint16_t* sv,
                                              uint8_t* sl, int16_t* so, uint16_t* xs) {
   const int tid = threadIdx.x;
-  const long long s = a.tile_off[tile];
-  const long long e = (tile + 1 < a.n_tiles) ? static_cast<long long>(a.tile_off[tile + 1]) : a.n_values;
-  const long long bv = s & ~7LL, bl = s & ~15LL;
-  copy_window<2, THREADS>(sv, a.values + bv, static_cast<int>((e - bv + 7) >> 3),
-                          static_cast<int>(min(a.n_values - bv, 1LL << 30)));
-  copy_window<1, THREADS>(sl, a.locs + bl, static_cast<int>((e - bl + 15) >> 4),
-                          static_cast<int>(min(a.n_values - bl, 1LL << 30)));
+  const TileSpan t = tile_span(a, tile);
+  const int first_v = stage_run<2, THREADS>(a, a.values, t, sv);
+  const int first_l = stage_run<1, THREADS>(a, a.locs, t, sl);
   if (tid < 4) cp_async16(so + 8 * tid, a.sub_off + static_cast<long long>(tile) * N_SUB + 8 * tid, 16);
   xc.issue(a, xs, kt);
-  return Staged{static_cast<int>(s - bv), static_cast<int>(s - bl), static_cast<int>(e - s)};
+  return Staged{first_v, first_l, static_cast<int>(t.e - t.s)};
 }
 
 // Scatters the warp's 8 sub-tiles into its zeroed dense slab: 4 lanes per sub-tile (lane >> 2), each taking
