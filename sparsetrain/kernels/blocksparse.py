@@ -490,6 +490,11 @@ class BlockSparseLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, values: Tensor, bias: Tensor | None, meta: BlockSparseMeta,
                 dense_grad_hook: Callable[[Tensor], None] | None) -> Tensor:
+        ctx.values_dtype = values.dtype
+        if values.dtype == torch.float32 and x2d.dtype in (torch.float16, torch.bfloat16):
+            # fp32 master values, 16-bit activations: one cast of the active blocks per step, shared by the
+            # forward and the input gradient (the CUDA tiles take 16-bit values; Triton reads half the bytes)
+            values = values.to(x2d.dtype)
         ctx.save_for_backward(x2d, values)
         ctx.meta, ctx.hook = meta, dense_grad_hook
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -507,11 +512,11 @@ class BlockSparseLinearFn(torch.autograd.Function):
         if ctx.hook is not None:
             dense = torch.mm(dy.t(), x2d).float()  # one dense matmul, only on capture steps
             ctx.hook(dense)
-            dv = dense_to_values(dense, meta).to(values.dtype) if need_v else None
+            dv = dense_to_values(dense, meta).to(ctx.values_dtype) if need_v else None
         elif need_v:
-            dv, db32 = _sampled_grad(x2d, dy, meta, with_bias=need_b, out_dtype=values.dtype)
-            if dv.dtype != values.dtype:  # only when the token reduction was split (float32 partial sums)
-                dv = dv.to(values.dtype)
+            dv, db32 = _sampled_grad(x2d, dy, meta, with_bias=need_b, out_dtype=ctx.values_dtype)
+            if dv.dtype != ctx.values_dtype:  # only when the token reduction was split (float32 partial sums)
+                dv = dv.to(ctx.values_dtype)
             if need_b:
                 db = db32 if db32.dtype == ctx.bias_dtype else db32.to(ctx.bias_dtype)
         if need_b and db is None:
@@ -676,8 +681,8 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
     """``x · W_effᵀ + bias`` with ``W_eff`` given by compressed ``values`` and ``meta``; ``x [..., I]``.
 
     ``values`` and ``bias`` have ``x``'s dtype, or float32 with a 16-bit ``x`` (mixed precision: the
-    kernels read the float32 master values and cast on load, and return float32 gradients, so no per-step
-    copy of the weights is made). Under autocast only ``x`` is cast. ``dense_grad_hook(g)``, when given,
+    active blocks are cast to ``x``'s dtype once per step, shared by the forward and the input gradient, and
+    the gradients come back in float32). Under autocast only ``x`` is cast. ``dense_grad_hook(g)``, when given,
     receives the dense ``dL/dW_eff`` (float32 ``[O, I]``) during backward — the flag RigL's grow step needs.
 
     >>> meta = BlockSparseMeta.from_mask(torch.ones(2, 2, dtype=torch.bool), 16)
