@@ -15,8 +15,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from sparsetrain.kernels._device import num_sms, smem_optin
+
 BLOCKS = (16, 32)
-_SMEM: dict[int, int] = {}
 
 
 class CudaDdsConfig(NamedTuple):
@@ -43,12 +44,12 @@ def _lib(device: torch.device):
     return _cuda.load("bs_dds", device)  # argument types: _cuda.SIGNATURES
 
 
-def _smem_limit(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMEM:
-        props = torch.cuda.get_device_properties(idx)
-        _SMEM[idx] = int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
-    return _SMEM[idx]
+def _rows16(t: Tensor) -> Tensor:
+    """``t`` as the CUDA kernels read a row-major operand: unit column stride, row stride a multiple of 8
+    elements, 16-byte aligned start (a copy only when it is not)."""
+    if t.stride(-1) != 1 or t.stride(0) % 8:
+        return t.contiguous() if t.stride(-1) != 1 else t.clone(memory_format=torch.contiguous_format)
+    return t.clone() if t.data_ptr() % 16 else t
 
 
 def candidates(a: Tensor, block: int, k: int) -> list[CudaDdsConfig]:
@@ -59,7 +60,7 @@ def candidates(a: Tensor, block: int, k: int) -> list[CudaDdsConfig]:
     so = _lib(a.device)
     if so is None:
         return []
-    limit = _smem_limit(a.device)
+    limit = smem_optin(a.device)
     return [c for c in CANDIDATES if 0 < so.sparsetrain_bs_dds_smem(block, c.mt, c.half, k) <= limit]
 
 
@@ -131,8 +132,7 @@ def _operands(a: Tensor, values: Tensor, bias: Tensor, has_bias: bool) -> tuple[
         values = values.to(a.dtype)
     if values.data_ptr() % 16 or not values.is_contiguous():
         values = values.contiguous() if not values.is_contiguous() else values.clone()
-    if a.data_ptr() % 16 or a.stride(0) % 8 or a.stride(1) != 1:
-        a = a.contiguous() if a.stride(1) != 1 or a.stride(0) % 8 else a.clone()
+    a = _rows16(a)
     b_ptr, b_f32 = 0, 0
     if has_bias:
         if bias.dtype not in (torch.float32, a.dtype) or not bias.is_contiguous():
@@ -165,7 +165,7 @@ def ks_candidates(a: Tensor, block: int, k: int) -> list[CudaKsConfig]:
     so = _lib(a.device)
     if so is None:
         return []
-    return [c for c in KS_CANDIDATES if 0 < _ks_shape(so, c.ob)[3] <= _smem_limit(a.device)]
+    return [c for c in KS_CANDIDATES if 0 < _ks_shape(so, c.ob)[3] <= smem_optin(a.device)]
 
 
 def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
@@ -337,7 +337,7 @@ def dw_candidates(x: Tensor, dy: Tensor, meta, with_bias: bool) -> list[CudaDwCo
     if so is None:
         return []
     _, _, aw, bw = dw_table(meta, with_bias, _dw_cap(so))
-    limit = _smem_limit(x.device)
+    limit = smem_optin(x.device)
     return [c for c in DW_CANDIDATES if 2 * 2 * c.tc * (aw + 8 + bw + 8) <= limit]
 
 
@@ -348,8 +348,6 @@ class CudaDwPlan:
     __slots__ = ("fn", "cta", "blk", "aw", "bw", "t", "tc", "splits", "tps", "with_bias", "extra")
 
     def __init__(self, x: Tensor, meta, cfg: CudaDwConfig, with_bias: bool):
-        from sparsetrain.kernels._device import num_sms
-
         so = _dw_lib(x.device)
         if so is None:
             raise RuntimeError("the CUDA kernel bs_dw is unavailable here")
@@ -363,10 +361,7 @@ class CudaDwPlan:
         self.extra = 2  # outputs must be zeroed fp32 (atomics)
 
     def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:
-        if x.data_ptr() % 16 or x.stride(0) % 8 or x.stride(1) != 1:
-            x = x.contiguous() if x.stride(1) != 1 or x.stride(0) % 8 else x.clone()
-        if dy.data_ptr() % 16 or dy.stride(0) % 8 or dy.stride(1) != 1:
-            dy = dy.contiguous() if dy.stride(1) != 1 or dy.stride(0) % 8 else dy.clone()
+        x, dy = _rows16(x), _rows16(dy)
         rc = self.fn(x.data_ptr(), dy.data_ptr(), self.cta.data_ptr(), self.blk.data_ptr(), dv.data_ptr(),
                      db.data_ptr() if self.with_bias else 0, self.t, x.stride(0), dy.stride(0), self.cta.shape[0],
                      self.splits, self.tps, self.aw, self.bw, self.tc, int(x.dtype == torch.bfloat16),
