@@ -401,14 +401,17 @@ def sec_candidates(args) -> dict:
                         rows.append({"cfg": repr(c), "cuda": type(c).__name__.startswith("Cuda"), "ms": ms,
                                      "err": err, "vs_dense": dense[kind] / ms})
                     ok = [r for r in rows if "ms" in r]
-                    bt = min((r for r in ok if not r["cuda"]), key=lambda r: r["ms"], default=None)
+                    bt = min((r for r in ok if not r["cuda"] and "wide=True" not in r["cfg"]), key=lambda r: r["ms"],
+                             default=None)
+                    bw = min((r for r in ok if "wide=True" in r["cfg"]), key=lambda r: r["ms"], default=None)
                     bc = min((r for r in ok if r["cuda"]), key=lambda r: r["ms"], default=None)
                     worst = max((r["err"] for r in ok), default=float("nan"))
                     out[f"{shp} b{b} d{d} {kind}"] = {"dense_ms": dense[kind], "rows": rows}
 
                     def fmt(r):
                         return "-" if r is None else f"{r['ms']:.3f} ms ({r['vs_dense']:.2f}x) {r['cfg']}"
-                    say(f"cand {shp} b{b} d{d} {kind}: dense {dense[kind]:.3f} | triton {fmt(bt)} | cuda {fmt(bc)}"
+                    say(f"cand {shp} b{b} d{d} {kind}: dense {dense[kind]:.3f} | triton {fmt(bt)} | wide {fmt(bw)}"
+                        f" | cuda {fmt(bc)}"
                         f" | worst err {worst:.1e}" + ("  FAIL" if not worst < 1e-2 else ""))
                 R["candidates"] = out
                 save()

@@ -177,6 +177,16 @@ def test_other_tile_paths(b, dds, dw, poison):
         run_against_dense(37, 64, 96, b, "empty_rows_cols", torch.float32, True, seed=3)
 
 
+@pytest.mark.parametrize("b,I,O,dtype", [(16, 64, 96, torch.float32), (32, 64, 96, torch.float16),
+                                           (64, 128, 192, torch.float32), (64, 128, 192, torch.float16)])
+@pytest.mark.parametrize("pattern", ["empty_rows_cols", "single"])
+def test_wide_tile_paths(b, I, O, dtype, pattern, poison):
+    """Transposed accumulation (tokens / the dW group as the MMA's N side): forward, dX and dW."""
+    with forced_config(fwd=DdsConfig(16, 1, 2, 4, 1, "", True), dx=DdsConfig(32, 1, 1, 4, 1, "", True),
+                       dw=DwConfig(2, 16, 4, 1, True)):
+        run_against_dense(37, I, O, b, pattern, dtype, True, seed=5)
+
+
 @pytest.mark.parametrize("b", [16, 32])
 def test_float32_master_values_with_fp16_input(b, poison):
     """Mixed precision: fp16 activations, fp32 values/bias read by the kernels; fp32 gradients back."""
@@ -352,6 +362,39 @@ def test_gpu_real_shapes(dtype, b, I, O, poison, no_tuning):
     dx, dv, db = reference_grads(x32, dy.float(), v32, meta)
     for got, ref in ((y, y_ref), (x.grad, dx), (values.grad, dv), (bias.grad, db)):
         assert rel(got, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b", [32, 64, 128])
+@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "single"])
+def test_gpu_wide_tiles(dtype, b, pattern, poison):
+    """Every transposed-accumulation candidate (forward, dX, dW) against the fp32 reference, bias included."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O, T = 1024, 2048, 4096 + 37
+    gen = torch.Generator().manual_seed(b + len(pattern))
+    mask = make_mask(pattern, (O // b, I // b), gen)
+    if pattern == "random":
+        mask &= torch.rand(mask.shape, generator=gen) < 0.4
+    meta = BlockSparseMeta.from_mask(mask, b).to("cuda")
+    dds = [c for c in bs._DDS_CANDIDATES[b] if c.wide]
+    dws = [c for c in bs._DW_CANDIDATES[b] if c.wide]
+    assert dds and dws
+    x = torch.randn(T, I, device="cuda", dtype=dtype, requires_grad=True)
+    values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=dtype) / b**0.5).requires_grad_()
+    bias = torch.randn(O, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(T, O, device="cuda", dtype=dtype)
+    x32, v32 = x.detach().float(), values.detach().float()
+    y_ref = x32 @ values_to_dense(v32, meta).t() + bias.detach().float()
+    dx, dv, db = reference_grads(x32, dy.float(), v32, meta)
+    for i in range(max(len(dds), len(dws))):
+        c, w = dds[i % len(dds)], dws[i % len(dws)]
+        x.grad = values.grad = bias.grad = None
+        with forced_config(fwd=c, dx=c, dw=w):
+            y = block_sparse_linear(x, values, meta, bias)
+            y.backward(dy)
+        for name, got, ref in (("y", y, y_ref), ("dx", x.grad, dx), ("dv", values.grad, dv), ("db", bias.grad, db)):
+            assert rel(got, ref) < 1e-2, (name, c, w)
 
 
 @pytest.mark.gpu

@@ -39,6 +39,8 @@ def dense_x_blocksparse_kernel(
     GROUP_K: tl.constexpr,   # blocks gathered into one tl.dot (K = GROUP_K * BLOCK); entry lists padded to it
     BLOCK_T: tl.constexpr,   # tokens per program
     CACHE_A: tl.constexpr,   # cache modifier of the A loads: ".ca" keeps them in L1 for re-reads by this program
+    WIDE: tl.constexpr = False,  # GROUP_K == 1 only: accumulate outᵀ [BLOCK, BLOCK_T] (the W block as the MMA's
+                                 # M side, the tokens as its N side: one wgmma m64n256 instead of n64 ones)
 ):
     pid = tl.program_id(0)
     # A program owns BLOCK_T tokens and blocks_per_prog consecutive output column blocks, walked as ONE
@@ -58,7 +60,7 @@ def dense_x_blocksparse_kernel(
     # which Triton specializes, so the gathered rows are known contiguous and loaded 16 bytes at a time.)
     a_rows = a_ptr + offs_t.to(tl.int64)[:, None] * stride_at
     out_rows = out_ptr + offs_t.to(tl.int64)[:, None] * stride_o
-    acc = tl.zeros((BLOCK_T, BLOCK), dtype=tl.float32)
+    acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
     for e0 in range(e_begin, e_end, GROUP_K):
         j = tl.load(oidx_ptr + e0)
         seg_end = tl.load(ptr_ptr + j + 1)
@@ -71,7 +73,10 @@ def dense_x_blocksparse_kernel(
             vb = v_ptr + tl.maximum(slot, 0) * (BLOCK * BLOCK)
             v = tl.load(vb + offs_b[:, None] * BLOCK + offs_b[None, :], mask=cols_ok[:, None], other=0.0)
             v = v.to(a_ptr.dtype.element_ty)  # float32 master values under autocast: cast here, not per step
-            if FORWARD:
+            if WIDE:
+                if not FORWARD:
+                    v = tl.trans(v)  # outᵀ[c, t] = sum_r W_block[r, c] · dY[t, r]
+            elif FORWARD:
                 v = tl.trans(v)  # B[k, n] = W_block[n, k]
         else:
             ent = e0 + tl.arange(0, GROUP_K)
@@ -93,13 +98,16 @@ def dense_x_blocksparse_kernel(
                 v = tl.load(vb[:, None, None] + offs_b[None, :, None] * BLOCK + offs_b[None, None, :],
                             mask=ok[:, None, None], other=0.0)
                 v = tl.reshape(v.to(a_ptr.dtype.element_ty), (GROUP_K * BLOCK, BLOCK))
-        acc = tl.dot(a, v, acc)
+        if WIDE:
+            acc = tl.dot(v, tl.trans(a), acc)  # accᵀ[n, t] += sum_k V[n, k] · A[t, k]
+        else:
+            acc = tl.dot(a, v, acc)
         if e0 + GROUP_K >= seg_end:  # last entry of output block j: write it, start the next one
-            res = acc
+            res = tl.trans(acc) if WIDE else acc
             if HAS_BIAS:
                 res += tl.load(bias_ptr + j * BLOCK + offs_b).to(tl.float32)[None, :]
             tl.store(out_rows + j * BLOCK + offs_b[None, :], res.to(out_ptr.dtype.element_ty), mask=t_ok[:, None])
-            acc = tl.zeros((BLOCK_T, BLOCK), dtype=tl.float32)
+            acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
 
 
 @triton.jit
@@ -119,6 +127,8 @@ def sampled_grad_kernel(
     GROUP: tl.constexpr,     # blocks per group: the tl.dot has M = GROUP * BLOCK
     BLOCK_T: tl.constexpr,   # tokens per reduction step
     SPLIT: tl.constexpr,     # token slices; > 1 adds partial sums with fp32 atomics
+    WIDE: tl.constexpr = False,  # GROUP > 1 only: accumulate [BLOCK, GROUP*BLOCK] = dY_rᵀ·X_g (the group as the
+                                 # MMA's N side: wgmma m64n256 at GROUP = 4 instead of n64), stored as is
 ):
     pid = tl.program_id(0)
     # Token slice is the slow index: the programs running together all read one slice of X and dY,
@@ -134,7 +144,7 @@ def sampled_grad_kernel(
     t_end = tl.minimum(t_begin + t_per_split, T)
     if not HAS_DBIAS:
         t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
-    acc = tl.zeros((GROUP * BLOCK, BLOCK), dtype=tl.float32)
+    acc = tl.zeros((BLOCK, GROUP * BLOCK) if WIDE else (GROUP * BLOCK, BLOCK), dtype=tl.float32)
     dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
     if GROUP == 1:
         kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
@@ -169,16 +179,26 @@ def sampled_grad_kernel(
                          mask=t_ok[:, None, None] & ok_g[None, :, None], other=0.0)
             xg = tl.reshape(xg, (BLOCK_T, GROUP * BLOCK))
             dy = tl.load(dy_ptr + rows * stride_dy + r * BLOCK + offs_b[None, :], mask=t_ok[:, None], other=0.0)
-            acc = tl.dot(tl.trans(xg), dy, acc)  # acc[(g, k), n] = dW block g at (n, k)
+            if WIDE:
+                acc = tl.dot(tl.trans(dy), xg, acc)  # acc[n, (g, k)] = dW block g at (n, k)
+            else:
+                acc = tl.dot(tl.trans(xg), dy, acc)  # acc[(g, k), n] = dW block g at (n, k)
             if HAS_DBIAS:
                 dbacc += tl.sum(dy.to(tl.float32), axis=0)
-        acc3 = tl.reshape(acc, (GROUP, BLOCK, BLOCK))  # [g, k, n]
-        dst = (dv_ptr + (s0 + offs_g)[:, None, None] * (BLOCK * BLOCK)
-               + offs_b[None, None, :] * BLOCK + offs_b[None, :, None])
-        if SPLIT == 1:
-            tl.store(dst, acc3.to(dv_ptr.dtype.element_ty), mask=ok_g[:, None, None])
+        if WIDE:
+            acc3 = tl.reshape(acc, (BLOCK, GROUP, BLOCK))  # [n, g, k]
+            dst = (dv_ptr + (s0 + offs_g)[None, :, None] * (BLOCK * BLOCK)
+                   + offs_b[:, None, None] * BLOCK + offs_b[None, None, :])
+            ok3 = ok_g[None, :, None]
         else:
-            tl.atomic_add(dst, acc3, mask=ok_g[:, None, None])
+            acc3 = tl.reshape(acc, (GROUP, BLOCK, BLOCK))  # [g, k, n]
+            dst = (dv_ptr + (s0 + offs_g)[:, None, None] * (BLOCK * BLOCK)
+                   + offs_b[None, None, :] * BLOCK + offs_b[None, :, None])
+            ok3 = ok_g[:, None, None]
+        if SPLIT == 1:
+            tl.store(dst, acc3.to(dv_ptr.dtype.element_ty), mask=ok3)
+        else:
+            tl.atomic_add(dst, acc3, mask=ok3)
     if HAS_DBIAS:
         first = tl.load(gfirst_ptr + grp)
         tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1
