@@ -14,6 +14,8 @@ from sparsetrain.kernels.blocksparse import (
     BlockSparseMeta,
     DdsConfig,
     DwConfig,
+    TmaDdsConfig,
+    TmaDwConfig,
     block_sparse_linear,
     forced_config,
     uses_kernels,
@@ -185,6 +187,35 @@ def test_wide_tile_paths(b, I, O, dtype, pattern, poison):
     with forced_config(fwd=DdsConfig(16, 1, 2, 4, 1, "", True), dx=DdsConfig(32, 1, 1, 4, 1, "", True),
                        dw=DwConfig(2, 16, 4, 1, True)):
         run_against_dense(37, I, O, b, pattern, dtype, True, seed=5)
+
+
+@pytest.mark.parametrize("b,I,O,dtype", [(32, 64, 96, torch.float16), (64, 128, 192, torch.float32),
+                                           (64, 128, 192, torch.float16)])
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("pattern", ["empty_rows_cols", "random"])
+def test_tma_tile_paths(b, I, O, dtype, wide, pattern, poison):
+    """The TMA kernels (whole-box loads at data-dependent coordinates): forward, dX and dW (token split 2)."""
+    cfg = TmaDdsConfig(16, 4, 1, wide)
+    with forced_config(fwd=cfg, dx=cfg, dw=TmaDwConfig(16, 4, 1)):
+        run_against_dense(37, I, O, b, pattern, dtype, True, seed=6)
+
+
+def test_tma_plans_fall_back_for_misaligned_operands(poison):
+    """A cached TMA plan given a 2-byte-misaligned view (same shape and strides) runs the gather kernels."""
+    gen = torch.Generator().manual_seed(8)
+    meta = BlockSparseMeta.from_mask(make_mask("random", (3, 2), gen), 64)
+    values = torch.randn(meta.n_blocks, 64, 64, generator=gen) / 8
+    with forced_config(fwd=TmaDdsConfig(16, 4, 1), dx=TmaDdsConfig(16, 4, 1), dw=TmaDwConfig(16, 4, 1)):
+        for misaligned in (False, True, False):
+            buf = torch.randn(37 * 128 + 1, generator=gen)
+            x = (buf[1:] if misaligned else buf[:-1]).view(37, 128)
+            dy = torch.randn(37, 192, generator=gen)
+            dense = values_to_dense(values, meta)
+            assert rel(bs._dds(x, values, meta, None, forward=True), x.double() @ dense.double().t()) < 1e-5
+            assert rel(bs._dds(dy, values, meta, None, forward=False), dy.double() @ dense.double()) < 1e-5
+            dv, _ = bs._sampled_grad(x, dy, meta, with_bias=False)
+            ref = dense_to_values(dy.double().t() @ x.double(), meta)
+            assert rel(dv, ref) < 1e-5
 
 
 @pytest.mark.parametrize("b", [16, 32])
@@ -368,8 +399,8 @@ def test_gpu_real_shapes(dtype, b, I, O, poison, no_tuning):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b", [32, 64, 128])
 @pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "single"])
-def test_gpu_wide_tiles(dtype, b, pattern, poison):
-    """Every transposed-accumulation candidate (forward, dX, dW) against the fp32 reference, bias included."""
+def test_gpu_wide_and_tma_tiles(dtype, b, pattern, poison):
+    """Every transposed-accumulation and TMA candidate (forward, dX, dW) against the fp32 reference, with bias."""
     torch.backends.cuda.matmul.allow_tf32 = False
     I, O, T = 1024, 2048, 4096 + 37
     gen = torch.Generator().manual_seed(b + len(pattern))
@@ -377,8 +408,8 @@ def test_gpu_wide_tiles(dtype, b, pattern, poison):
     if pattern == "random":
         mask &= torch.rand(mask.shape, generator=gen) < 0.4
     meta = BlockSparseMeta.from_mask(mask, b).to("cuda")
-    dds = [c for c in bs._DDS_CANDIDATES[b] if c.wide]
-    dws = [c for c in bs._DW_CANDIDATES[b] if c.wide]
+    dds = [c for c in bs._DDS_CANDIDATES[b] if c.wide] + bs._TMA_CANDIDATES[b]
+    dws = [c for c in bs._DW_CANDIDATES[b] if c.wide] + bs._TMA_DW_CANDIDATES[b]
     assert dds and dws
     x = torch.randn(T, I, device="cuda", dtype=dtype, requires_grad=True)
     values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=dtype) / b**0.5).requires_grad_()

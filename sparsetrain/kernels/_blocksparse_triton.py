@@ -202,3 +202,96 @@ def sampled_grad_kernel(
     if HAS_DBIAS:
         first = tl.load(gfirst_ptr + grp)
         tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1
+
+
+@triton.jit
+def dense_x_blocksparse_tma_kernel(
+    a_desc,    # tensor descriptor of A [T, K] (X or dY), block [BLOCK_T, BLOCK]; rows past T read as zeros
+    v_desc,    # tensor descriptor of the values viewed as [n_blocks * BLOCK, BLOCK], block [BLOCK, BLOCK]
+    ptr_ptr,   # [n_out_blocks + 1] int32: entries of output column block j are ptr[j] .. ptr[j + 1] - 1 (no padding)
+    kidx_ptr,  # [n_entries] int32: the column block of A each entry multiplies
+    slot_ptr,  # [n_entries] int32: the entry's slot in the values (input gradient only; the forward's slot is e)
+    bias_ptr,  # [N] bias, read only when HAS_BIAS
+    out_ptr,   # [T, N] dense output, unit column stride, row stride stride_o; every element is written
+    T, stride_o, n_out_blocks,
+    FORWARD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    WIDE: tl.constexpr,      # accumulate outᵀ [BLOCK, BLOCK_T] (tokens as the MMA's N side)
+):
+    """The dense x block-sparse product with both operands fetched by the Tensor Memory Accelerator: one
+    program per (BLOCK_T tokens, output column block); the tile loads are whole [BLOCK_T, BLOCK] / [BLOCK, BLOCK]
+    boxes at data-dependent coordinates, so no thread computes a gather address."""
+    pid = tl.program_id(0)
+    pid_t = pid // n_out_blocks  # output block is the fast index: programs running together share A's tile in L2
+    j = pid % n_out_blocks
+    e_begin = tl.load(ptr_ptr + j)
+    e_end = tl.load(ptr_ptr + j + 1)
+    t0 = pid_t * BLOCK_T
+    acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
+    for e in range(e_begin, e_end):
+        kb = tl.load(kidx_ptr + e)
+        slot = e if FORWARD else tl.load(slot_ptr + e)
+        a = a_desc.load([t0, kb * BLOCK])          # [BLOCK_T, BLOCK]
+        w = v_desc.load([slot * BLOCK, 0])         # W_slot[r, c]
+        if WIDE:
+            acc = tl.dot(w if FORWARD else tl.trans(w), tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w) if FORWARD else w, acc)
+    res = tl.trans(acc) if WIDE else acc
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    offs_b = tl.arange(0, BLOCK)
+    if HAS_BIAS:
+        res += tl.load(bias_ptr + j * BLOCK + offs_b).to(tl.float32)[None, :]
+    dst = out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + j * BLOCK + offs_b[None, :]
+    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(offs_t < T)[:, None])
+
+
+@triton.jit
+def sampled_grad_tma_kernel(
+    x_desc,      # tensor descriptor of X [T, I], block [BLOCK_T, BLOCK]; rows past T read as zeros
+    dy_desc,     # tensor descriptor of dY [T, O], block [BLOCK_T, BLOCK]
+    grow_ptr, gstart_ptr, gcount_ptr, gfirst_ptr,  # groups of one block each (BlockSparseMeta.dw_groups(1))
+    kidx_ptr,    # [n_blocks] int32: block column of each slot
+    dv_ptr,      # [n_blocks, BLOCK, BLOCK] gradient of the values: float32 zero-filled when SPLIT > 1, else any dtype
+    db_ptr,      # [O] float32 bias gradient, zero-filled; written only when HAS_DBIAS
+    T, n_groups, t_per_split,
+    HAS_DBIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_T: tl.constexpr,   # tokens per reduction step
+    SPLIT: tl.constexpr,     # token slices; > 1 adds partial sums with fp32 atomics
+):
+    """dW at active blocks with TMA loads: one program per (block, token slice) reduces
+    ``acc[n, k] = sum_t dY[t, r*B + n] · X[t, kb*B + k]``, which is the block as stored (no transposed store)."""
+    pid = tl.program_id(0)
+    split = pid // n_groups  # token slice is the slow index: programs running together share it in L2
+    grp = pid % n_groups
+    r = tl.load(grow_ptr + grp)
+    s0 = tl.load(gstart_ptr + grp)
+    cnt = tl.load(gcount_ptr + grp)
+    offs_b = tl.arange(0, BLOCK)
+    t_begin = split * t_per_split
+    t_end = tl.minimum(t_begin + t_per_split, T)
+    if not HAS_DBIAS:
+        t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
+    kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        # (t_per_split is a multiple of BLOCK_T, so a step never reaches into the next slice; rows past T read
+        # as zeros)
+        x = x_desc.load([t0, kb * BLOCK])
+        dy = dy_desc.load([t0, r * BLOCK])
+        acc = tl.dot(tl.trans(dy), x, acc)
+        if HAS_DBIAS:
+            dbacc += tl.sum(dy.to(tl.float32), axis=0)
+    dst = dv_ptr + s0 * (BLOCK * BLOCK) + offs_b[:, None] * BLOCK + offs_b[None, :]
+    has = (offs_b < BLOCK * tl.minimum(cnt, 1))[:, None]  # all False for an empty row
+    if SPLIT == 1:
+        tl.store(dst, acc.to(dv_ptr.dtype.element_ty), mask=has)
+    else:
+        tl.atomic_add(dst, acc, mask=has)
+    if HAS_DBIAS:
+        first = tl.load(gfirst_ptr + grp)
+        tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1

@@ -218,7 +218,8 @@ _DDS_CANDIDATES = {
          _C(256, 1, 4, 4, 3, "", _W), _C(128, 1, 4, 4, 4, "", _W)],
     64: [_C(128, 1, 4, 4, 3), _C(128, 1, 8, 4, 3, ".ca"), _C(256, 1, 2, 8, 3), _C(128, 1, 1, 4, 3),
          _C(128, 1, 4, 8, 3), _C(128, 1, 4, 8, 2), _C(64, 1, 16, 4, 4, ".ca"), _C(256, 1, 8, 8, 3, ".ca"),
-         _C(256, 1, 4, 4, 3, "", _W), _C(256, 1, 2, 8, 3, "", _W), _C(128, 1, 4, 4, 4, "", _W)],
+         _C(256, 1, 4, 4, 3, "", _W), _C(256, 1, 2, 8, 3, "", _W), _C(128, 1, 4, 4, 4, "", _W),
+         _C(128, 2, 4, 4, 3), _C(128, 2, 4, 8, 3), _C(256, 2, 2, 8, 2), _C(128, 4, 4, 8, 2), _C(256, 1, 2, 8, 4)],
     128: [_C(128, 1, 2, 8, 3), _C(64, 1, 8, 4, 3, ".ca"), _C(64, 1, 1, 4, 4), _C(128, 1, 1, 8, 2),
           _C(256, 1, 2, 8, 2, "", _W), _C(128, 1, 2, 8, 3, "", _W)],
 }
@@ -229,11 +230,68 @@ _DW_CANDIDATES = {
          DwConfig(2, 128, 8, 2), DwConfig(8, 64, 4, 3, _W), DwConfig(4, 128, 4, 3, _W)],
     64: [DwConfig(1, 128, 4, 3), DwConfig(2, 128, 8, 3), DwConfig(1, 64, 4, 4), DwConfig(2, 64, 4, 4),
          DwConfig(1, 128, 8, 2), DwConfig(1, 64, 8, 3), DwConfig(4, 64, 4, 3, _W), DwConfig(2, 128, 4, 3, _W),
-         DwConfig(4, 64, 8, 3, _W)],
+         DwConfig(4, 64, 8, 3, _W), DwConfig(1, 256, 4, 2), DwConfig(2, 256, 8, 2), DwConfig(1, 128, 8, 4)],
     128: [DwConfig(1, 64, 8, 3), DwConfig(1, 128, 8, 3), DwConfig(2, 64, 8, 3, _W)],
 }
 # Under the interpreter: small tiles; b16 exercises the gathered (GROUP_K > 1) path, b32 the scalar one,
 # and 2 output blocks per program exercise the in-loop store.
+
+
+class TmaDdsConfig(NamedTuple):
+    """Tiles of the TMA variant of the dense x block-sparse kernel (one output block per program)."""
+
+    block_t: int
+    num_warps: int
+    num_stages: int
+    wide: bool = False
+
+
+_TMA_CANDIDATES = {
+    32: [TmaDdsConfig(128, 4, 4), TmaDdsConfig(256, 8, 4)],
+    64: [TmaDdsConfig(128, 4, 4), TmaDdsConfig(256, 8, 3), TmaDdsConfig(128, 8, 4), TmaDdsConfig(256, 4, 3, _W),
+         TmaDdsConfig(128, 4, 4, _W)],
+    128: [TmaDdsConfig(128, 8, 3), TmaDdsConfig(64, 4, 4), TmaDdsConfig(256, 8, 2, _W)],
+}
+
+
+class TmaDwConfig(NamedTuple):
+    """Tiles of the TMA variant of the sampled weight-gradient kernel (one block per program)."""
+
+    block_t: int
+    num_warps: int
+    num_stages: int
+
+
+_TMA_DW_CANDIDATES = {
+    32: [TmaDwConfig(128, 4, 4), TmaDwConfig(64, 4, 4)],
+    64: [TmaDwConfig(64, 4, 4), TmaDwConfig(64, 8, 3), TmaDwConfig(128, 4, 3), TmaDwConfig(128, 8, 3)],
+    128: [TmaDwConfig(64, 8, 3), TmaDwConfig(32, 4, 4)],
+}
+
+
+def _rows_tma_ok(t: Tensor) -> bool:
+    return ((t.is_cuda or interpreting()) and t.shape[0] > 0 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
+            and (t.stride(0) * t.element_size()) % 16 == 0)
+
+
+def _tma_ok(a: Tensor, values: Tensor) -> bool:
+    """Whether the TMA kernel can take these operands (16-byte aligned rows, values in A's dtype)."""
+    return (_rows_tma_ok(a) and values.dtype == a.dtype and values.shape[0] > 0 and values.is_contiguous()
+            and values.data_ptr() % 16 == 0)
+
+
+def _tma_dw_candidates(x: Tensor, dy: Tensor, B: int) -> list[TmaDwConfig]:
+    if interpreting() or not (_rows_tma_ok(x) and _rows_tma_ok(dy)) or torch.cuda.get_device_capability(x.device)[0] < 9:
+        return []
+    return list(_TMA_DW_CANDIDATES.get(B, []))
+
+
+def _tma_candidates(a: Tensor, values: Tensor, B: int) -> list[TmaDdsConfig]:
+    if interpreting() or not _tma_ok(a, values) or torch.cuda.get_device_capability(a.device)[0] < 9:
+        return []
+    return list(_TMA_CANDIDATES.get(B, []))
+
+
 _INTERP_DDS = {16: _C(16, 2, 2, 4, 1), 32: _C(16, 1, 2, 4, 1), 64: _C(16, 1, 2, 4, 1), 128: _C(16, 1, 2, 4, 1)}
 _INTERP_DW = {16: DwConfig(4, 16, 4, 1), 32: DwConfig(2, 16, 4, 1), 64: DwConfig(1, 16, 4, 1),
               128: DwConfig(1, 16, 4, 1)}
@@ -341,6 +399,78 @@ class _Plan:
         self.kernel[self.grid](*args, **self.options)
 
 
+class _TmaPlan:
+    """A launch of :func:`dense_x_blocksparse_tma_kernel`: the tensor descriptors are built per call (they hold
+    the data pointers); an operand the TMA cannot take (e.g. a 2-byte-misaligned view, same shape and strides
+    as the tuned one) runs the ``fallback`` plan instead."""
+
+    __slots__ = ("cfg", "meta", "forward", "has_bias", "T", "K", "n_out", "idx", "grid", "fallback", "extra")
+
+    def __init__(self, a: Tensor, meta: BlockSparseMeta, cfg: TmaDdsConfig, forward: bool, has_bias: bool,
+                 fallback: Callable[[], _Plan]):
+        self.cfg, self.meta, self.forward, self.has_bias = cfg, meta, forward, has_bias
+        self.T, self.K = a.shape
+        self.n_out = meta.grid[0] if forward else meta.grid[1]
+        self.idx = ((meta.row_ptr, meta.col_idx, meta.col_idx) if forward
+                    else (meta.col_ptr, meta.t_row_idx, meta.t_slot))
+        self.grid = (triton_cdiv(self.T, cfg.block_t) * self.n_out,)
+        self.fallback = fallback
+        self.extra = self.n_out * meta.block
+
+    def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
+        if not _tma_ok(a, values):
+            if not isinstance(self.fallback, _Plan):
+                self.fallback = self.fallback()
+            self.fallback(a, values, bias, out)
+            return
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_tma_kernel
+
+        B, cfg = self.meta.block, self.cfg
+        a_desc = TensorDescriptor(a, [self.T, self.K], [a.stride(0), 1], [cfg.block_t, B])
+        v_desc = TensorDescriptor(values, [values.shape[0] * B, B], [B, 1], [B, B])
+        dense_x_blocksparse_tma_kernel[self.grid](
+            a_desc, v_desc, *self.idx, bias, out, self.T, out.stride(0), self.n_out,
+            FORWARD=self.forward, HAS_BIAS=self.has_bias, BLOCK=B, BLOCK_T=cfg.block_t, WIDE=cfg.wide,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+class _TmaDwPlan:
+    """A launch of :func:`sampled_grad_tma_kernel` (descriptors built per call); operands the TMA cannot take
+    run ``fallback``, the one-block-per-group Triton plan with the same token split (same output buffers)."""
+
+    __slots__ = ("cfg", "meta", "with_bias", "T", "groups", "split", "t_per_split", "fallback", "extra")
+
+    def __init__(self, x: Tensor, meta: BlockSparseMeta, cfg: TmaDwConfig, with_bias: bool,
+                 fallback: Callable[[], _Plan]):
+        self.cfg, self.meta, self.with_bias, self.T = cfg, meta, with_bias, x.shape[0]
+        self.groups = meta.dw_groups(1)
+        self.split = _choose_split(self.groups[4], self.T, cfg.block_t, x.device)
+        self.t_per_split = triton_cdiv(triton_cdiv(self.T, self.split), cfg.block_t) * cfg.block_t
+        self.fallback = fallback
+        self.extra = self.split
+
+    def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:
+        if not (_rows_tma_ok(x) and _rows_tma_ok(dy)):
+            if not isinstance(self.fallback, _Plan):
+                self.fallback = self.fallback()
+            self.fallback(x, dy, dv, db)
+            return
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        from sparsetrain.kernels._blocksparse_triton import sampled_grad_tma_kernel
+
+        B, cfg, T = self.meta.block, self.cfg, self.T
+        grow, gstart, gcount, gfirst, n_groups = self.groups
+        x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg.block_t, B])
+        dy_desc = TensorDescriptor(dy, list(dy.shape), [dy.stride(0), 1], [cfg.block_t, B])
+        sampled_grad_tma_kernel[(n_groups * self.split,)](
+            x_desc, dy_desc, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, n_groups, self.t_per_split,
+            HAS_DBIAS=self.with_bias, BLOCK=B, BLOCK_T=cfg.block_t, SPLIT=self.split,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _plan_key(kind: str, *parts) -> tuple:
     """Key of a cached plan: the shape/dtype ``parts`` plus what steers ``_pick`` (forced configs, TUNE)."""
     return (kind, TUNE, tuple(_FORCED.items()) if _FORCED else ()) + parts
@@ -389,7 +519,10 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
     if T == 0:
         return out
 
-    def make_plan(cfg: DdsConfig | CudaDdsConfig | CudaKsConfig) -> _Plan | CudaDdsPlan | CudaKsPlan:
+    def make_plan(cfg: DdsConfig | CudaDdsConfig | CudaKsConfig | TmaDdsConfig
+                  ) -> _Plan | CudaDdsPlan | CudaKsPlan | _TmaPlan:
+        if isinstance(cfg, TmaDdsConfig):
+            return _TmaPlan(a, meta, cfg, forward, has_bias, lambda: make_plan(_DDS_CANDIDATES[B][0]))
         if isinstance(cfg, CudaDdsConfig):
             return CudaDdsPlan(a, meta, cfg, forward, has_bias)
         if isinstance(cfg, CudaKsConfig):
@@ -415,7 +548,7 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
     key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features if forward else meta.out_features, n_out * B,
            _density_bucket(meta), a.dtype, values.dtype, has_bias)
     cands = [*_cuda_dds.candidates(a, B, a.shape[1]), *_cuda_dds.ks_candidates(a, B, a.shape[1]),
-             *_DDS_CANDIDATES[B]]
+             *_tma_candidates(a, values, B), *_DDS_CANDIDATES[B]]
     cfg = _pick("fwd" if forward else "dx", key, a.device, cands, _INTERP_DDS[B], launch)
     plan = built.get(cfg) or make_plan(cfg)
     plan(a, values, bias if has_bias else a, out)
@@ -438,7 +571,10 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
 
         B = meta.block
 
-        def make_plan(cfg: DwConfig | CudaDwConfig) -> _Plan | CudaDwPlan:
+        def make_plan(cfg: DwConfig | CudaDwConfig | TmaDwConfig) -> _Plan | CudaDwPlan | _TmaDwPlan:
+            if isinstance(cfg, TmaDwConfig):
+                return _TmaDwPlan(x, meta, cfg, with_bias,
+                                  lambda: make_plan(DwConfig(1, cfg.block_t, cfg.num_warps, cfg.num_stages)))
             if isinstance(cfg, CudaDwConfig):
                 return CudaDwPlan(x, meta, cfg, with_bias)
             grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group)
@@ -459,7 +595,8 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
 
         key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features, meta.out_features, _density_bucket(meta),
                x.dtype, out_dtype, with_bias)
-        cands = [*_cuda_dds.dw_candidates(x, dy, meta, with_bias), *_DW_CANDIDATES[B]]
+        cands = [*_cuda_dds.dw_candidates(x, dy, meta, with_bias), *_tma_dw_candidates(x, dy, B),
+                 *_DW_CANDIDATES[B]]
         cfg = _pick("dw", key, dev, cands, _INTERP_DW[B], launch)
         plan = built.get(cfg) or make_plan(cfg)
         if T > 0 and _may_cache(dev):
