@@ -44,6 +44,23 @@ def bench(fn, grad_to_none=None) -> float:
     return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
 
 
+def gpu_time(fn, iters: int = 20) -> float:
+    """GPU busy time of one call of ``fn`` in ms: the summed durations of every kernel, memset and copy it
+    launches (torch.profiler), averaged over ``iters`` calls. Unlike ``bench`` it leaves out the gaps where the
+    GPU waits for the host, so a host-bound call shows what its kernels cost."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    us = sum(e.device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return us / iters / 1e3
+
+
 def make_mask(out_f: int, in_f: int, b: int, density: float, seed: int) -> torch.Tensor:
     k = n_active_blocks((out_f, in_f), Block(b, b), density)
     return random_mask((out_f // b, in_f // b), k, torch.Generator().manual_seed(seed))
@@ -157,7 +174,8 @@ def _time_dense(T, I, O):
     def step():
         lin(x).backward(g)
     fb = bench(step, grad_to_none=[x, lin.weight])
-    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fb}
+    gpu = gpu_time(lambda: torch.autograd.grad(lin(x), (x, lin.weight), g))
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fb, "fwd_bwd_gpu": gpu}
 
 
 def _time_ours(T, I, O, b, d):
@@ -174,6 +192,7 @@ def _time_ours(T, I, O, b, d):
     def step():
         block_sparse_linear(x, v, meta).backward(g)
     fb = bench(step, grad_to_none=[x, v])
+    gpu = gpu_time(lambda: torch.autograd.grad(block_sparse_linear(x, v, meta), (x, v), g))
     xd, gd = x.detach(), g.detach()
     dx_only = bench(lambda: bs._dds(gd, v.detach(), meta, None, forward=False))
     dw_only = bench(lambda: bs._sampled_grad(xd, gd, meta, with_bias=False))
@@ -190,7 +209,7 @@ def _time_ours(T, I, O, b, d):
         peer = {"fwd": bench(lambda: bsr_dense_mm(wb, xt)), "err_vs_ours": perr}
     except Exception as e:  # noqa: BLE001 - keep going: the peer is optional
         peer = {"error": repr(e)[:200]}
-    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fb, "dx_kernel": dx_only, "dw_kernel": dw_only,
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fb, "fwd_bwd_gpu": gpu, "dx_kernel": dx_only, "dw_kernel": dw_only,
             "n_blocks": meta.n_blocks, "density": meta.density, "peer": peer}
 
 
@@ -201,7 +220,8 @@ def sec_linear(args) -> dict:
         I, O = (int(s) for s in shp.split("x"))
         dense = _time_dense(T, I, O)
         row = {"dense": dense}
-        say(f"dense {T}x{I}->{O}: fwd {dense['fwd']:.3f} bwd {dense['bwd']:.3f} fwd+bwd {dense['fwd_bwd']:.3f} ms")
+        say(f"dense {T}x{I}->{O}: fwd {dense['fwd']:.3f} bwd {dense['bwd']:.3f} fwd+bwd {dense['fwd_bwd']:.3f} ms"
+            f" (GPU {dense['fwd_bwd_gpu']:.3f})")
         for b in (int(s) for s in args.blocks.split(",")):
             for d in (float(s) for s in args.densities.split(",")):
                 try:
@@ -210,12 +230,13 @@ def sec_linear(args) -> dict:
                     traceback.print_exc()
                     row[f"b{b}_d{d}"] = {"error": repr(e)[:300]}
                     continue
-                r["speedup"] = {k: dense[k] / r[k] for k in ("fwd", "bwd", "fwd_bwd")}
+                r["speedup"] = {k: dense[k] / r[k] for k in ("fwd", "bwd", "fwd_bwd", "fwd_bwd_gpu")}
                 pf = r["peer"].get("fwd")
                 r["speedup"]["peer_fwd"] = dense["fwd"] / pf if pf else None
                 row[f"b{b}_d{d}"] = r
                 say(f"  b{b} d{d}: fwd {r['fwd']:.3f} ({r['speedup']['fwd']:.2f}x) bwd {r['bwd']:.3f} "
                     f"({r['speedup']['bwd']:.2f}x) fwd+bwd {r['fwd_bwd']:.3f} ({r['speedup']['fwd_bwd']:.2f}x)"
+                    f" GPU {r['fwd_bwd_gpu']:.3f} ({r['speedup']['fwd_bwd_gpu']:.2f}x)"
                     f" [dx {r['dx_kernel']:.3f} dw {r['dw_kernel']:.3f}] | peer fwd "
                     f"{pf if pf is None else round(pf, 3)} ms ({r['speedup']['peer_fwd'] or 0:.2f}x)")
         out[shp] = row

@@ -429,6 +429,39 @@ def test_gpu_wide_and_tma_tiles(dtype, b, pattern, poison):
 
 
 @pytest.mark.gpu
+def test_gpu_tma_launch_in_a_fresh_thread():
+    """The TMA kernels need Triton's scratch allocator, which is per thread (a context variable): a new thread,
+    like the autograd engine's backward thread, starts without it."""
+    import threading
+
+    meta = BlockSparseMeta.from_mask(torch.rand(64, 16) < 0.2, 64).to("cuda")
+    values = torch.randn(meta.n_blocks, 64, 64, device="cuda", dtype=torch.bfloat16) / 8
+    x = torch.randn(300, 1024, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    out = {}
+
+    def work():
+        try:
+            with forced_config(fwd=bs._TMA_CANDIDATES[64][0], dx=bs._TMA_CANDIDATES[64][0],
+                               dw=bs._TMA_DW_CANDIDATES[64][0]):
+                out["y"] = bs._dds(x, values, meta, None, forward=True)
+                out["dx"] = bs._dds(dy, values, meta, None, forward=False)
+                out["dv"] = bs._sampled_grad(x, dy, meta, with_bias=False)[0]
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            out["error"] = e
+
+    th = threading.Thread(target=work)
+    th.start()
+    th.join()
+    assert "error" not in out, out.get("error")
+    w = values_to_dense(values.float(), meta)
+    assert rel(out["y"], x.float() @ w.t()) < 1e-2
+    assert rel(out["dx"], dy.float() @ w) < 1e-2
+    assert rel(out["dv"], reference_grads(x.float(), dy.float(), values.float(), meta)[1]) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b", [16, 64])
 def test_gpu_cached_plans_repeated_calls(dtype, b, poison, no_tuning):

@@ -206,14 +206,14 @@ def sampled_grad_kernel(
 
 @triton.jit
 def dense_x_blocksparse_tma_kernel(
-    a_desc,    # tensor descriptor of A [T, K] (X or dY), block [BLOCK_T, BLOCK]; rows past T read as zeros
-    v_desc,    # tensor descriptor of the values viewed as [n_blocks * BLOCK, BLOCK], block [BLOCK, BLOCK]
+    a_ptr,     # [T, K] A (X or dY), unit column stride, row stride stride_at (16-byte aligned rows)
+    v_ptr,     # [n_blocks, BLOCK, BLOCK] block values of W (contiguous, A's dtype)
     ptr_ptr,   # [n_out_blocks + 1] int32: entries of output column block j are ptr[j] .. ptr[j + 1] - 1 (no padding)
     kidx_ptr,  # [n_entries] int32: the column block of A each entry multiplies
     slot_ptr,  # [n_entries] int32: the entry's slot in the values (input gradient only; the forward's slot is e)
     bias_ptr,  # [N] bias, read only when HAS_BIAS
     out_ptr,   # [T, N] dense output, unit column stride, row stride stride_o; every element is written
-    T, stride_o, n_out_blocks,
+    T, K, stride_at, n_blocks, stride_o, n_out_blocks,
     FORWARD: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -222,7 +222,12 @@ def dense_x_blocksparse_tma_kernel(
 ):
     """The dense x block-sparse product with both operands fetched by the Tensor Memory Accelerator: one
     program per (BLOCK_T tokens, output column block); the tile loads are whole [BLOCK_T, BLOCK] / [BLOCK, BLOCK]
-    boxes at data-dependent coordinates, so no thread computes a gather address."""
+    boxes at data-dependent coordinates, so no thread computes a gather address. The descriptors are made on
+    the device (host-made ones cost ~10 µs more per launch to encode and pass)."""
+    # rows past T read as zeros
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[T, K], strides=[stride_at, 1], block_shape=[BLOCK_T, BLOCK])
+    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[n_blocks * BLOCK, BLOCK], strides=[BLOCK, 1],
+                                       block_shape=[BLOCK, BLOCK])
     pid = tl.program_id(0)
     pid_t = pid // n_out_blocks  # output block is the fast index: programs running together share A's tile in L2
     j = pid % n_out_blocks
@@ -250,13 +255,13 @@ def dense_x_blocksparse_tma_kernel(
 
 @triton.jit
 def sampled_grad_tma_kernel(
-    x_desc,      # tensor descriptor of X [T, I], block [BLOCK_T, BLOCK]; rows past T read as zeros
-    dy_desc,     # tensor descriptor of dY [T, O], block [BLOCK_T, BLOCK]
+    x_ptr,       # [T, I] layer input X, unit column stride, row stride stride_xt (16-byte aligned rows)
+    dy_ptr,      # [T, O] output gradient dY, unit column stride, row stride stride_dy (16-byte aligned rows)
     grow_ptr, gstart_ptr, gcount_ptr, gfirst_ptr,  # groups of one block each (BlockSparseMeta.dw_groups(1))
     kidx_ptr,    # [n_blocks] int32: block column of each slot
     dv_ptr,      # [n_blocks, BLOCK, BLOCK] gradient of the values: float32 zero-filled when SPLIT > 1, else any dtype
     db_ptr,      # [O] float32 bias gradient, zero-filled; written only when HAS_DBIAS
-    T, n_groups, t_per_split,
+    T, I, O, stride_xt, stride_dy, n_groups, t_per_split,
     HAS_DBIAS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,   # tokens per reduction step
@@ -264,6 +269,9 @@ def sampled_grad_tma_kernel(
 ):
     """dW at active blocks with TMA loads: one program per (block, token slice) reduces
     ``acc[n, k] = sum_t dY[t, r*B + n] · X[t, kb*B + k]``, which is the block as stored (no transposed store)."""
+    # rows past T read as zeros
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, I], strides=[stride_xt, 1], block_shape=[BLOCK_T, BLOCK])
+    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[T, O], strides=[stride_dy, 1], block_shape=[BLOCK_T, BLOCK])
     pid = tl.program_id(0)
     split = pid // n_groups  # token slice is the slow index: programs running together share it in L2
     grp = pid % n_groups

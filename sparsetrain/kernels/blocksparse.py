@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -269,6 +270,27 @@ _TMA_DW_CANDIDATES = {
 }
 
 
+_THREAD = threading.local()
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_tma_scratch() -> None:
+    """The TMA kernels make their descriptors on the device, in global scratch memory that Triton asks an
+    allocator for at launch. Triton keeps the allocator in a context variable, which every thread (e.g. the
+    autograd engine's backward thread) starts without: install ours once per thread unless one is set."""
+    if getattr(_THREAD, "scratch", False):
+        return
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_scratch)
+    _THREAD.scratch = True
+
+
 def _rows_tma_ok(t: Tensor) -> bool:
     return ((t.is_cuda or interpreting()) and t.shape[0] > 0 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
             and (t.stride(0) * t.element_size()) % 16 == 0)
@@ -423,15 +445,12 @@ class _TmaPlan:
                 self.fallback = self.fallback()
             self.fallback(a, values, bias, out)
             return
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_tma_kernel
 
+        _ensure_tma_scratch()
         B, cfg = self.meta.block, self.cfg
-        a_desc = TensorDescriptor(a, [self.T, self.K], [a.stride(0), 1], [cfg.block_t, B])
-        v_desc = TensorDescriptor(values, [values.shape[0] * B, B], [B, 1], [B, B])
         dense_x_blocksparse_tma_kernel[self.grid](
-            a_desc, v_desc, *self.idx, bias, out, self.T, out.stride(0), self.n_out,
+            a, values, *self.idx, bias, out, self.T, self.K, a.stride(0), values.shape[0], out.stride(0), self.n_out,
             FORWARD=self.forward, HAS_BIAS=self.has_bias, BLOCK=B, BLOCK_T=cfg.block_t, WIDE=cfg.wide,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -457,16 +476,14 @@ class _TmaDwPlan:
                 self.fallback = self.fallback()
             self.fallback(x, dy, dv, db)
             return
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
         from sparsetrain.kernels._blocksparse_triton import sampled_grad_tma_kernel
 
+        _ensure_tma_scratch()
         B, cfg, T = self.meta.block, self.cfg, self.T
         grow, gstart, gcount, gfirst, n_groups = self.groups
-        x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg.block_t, B])
-        dy_desc = TensorDescriptor(dy, list(dy.shape), [dy.stride(0), 1], [cfg.block_t, B])
         sampled_grad_tma_kernel[(n_groups * self.split,)](
-            x_desc, dy_desc, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, n_groups, self.t_per_split,
+            x, dy, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1], x.stride(0),
+            dy.stride(0), n_groups, self.t_per_split,
             HAS_DBIAS=self.with_bias, BLOCK=B, BLOCK_T=cfg.block_t, SPLIT=self.split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
