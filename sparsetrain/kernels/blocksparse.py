@@ -291,6 +291,16 @@ def _ensure_tma_scratch() -> None:
     _THREAD.scratch = True
 
 
+TMA_PROGRAMS_PER_SM = 4
+
+
+def _persistent_grid(n_items: int, device: torch.device) -> int:
+    """Programs of a persistent TMA kernel: each makes its descriptors once and walks items round-robin."""
+    if interpreting() or device.type != "cuda":
+        return max(1, min(n_items, 2))  # under the interpreter: two programs, so the walk is exercised
+    return max(1, min(n_items, TMA_PROGRAMS_PER_SM * num_sms(device)))
+
+
 def _rows_tma_ok(t: Tensor) -> bool:
     return ((t.is_cuda or interpreting()) and t.shape[0] > 0 and t.stride(1) == 1 and t.data_ptr() % 16 == 0
             and (t.stride(0) * t.element_size()) % 16 == 0)
@@ -435,7 +445,7 @@ class _TmaPlan:
         self.n_out = meta.grid[0] if forward else meta.grid[1]
         self.idx = ((meta.row_ptr, meta.col_idx, meta.col_idx) if forward
                     else (meta.col_ptr, meta.t_row_idx, meta.t_slot))
-        self.grid = (triton_cdiv(self.T, cfg.block_t) * self.n_out,)
+        self.grid = (_persistent_grid(triton_cdiv(self.T, cfg.block_t) * self.n_out, a.device),)
         self.fallback = fallback
         self.extra = self.n_out * meta.block
 
@@ -481,7 +491,7 @@ class _TmaDwPlan:
         _ensure_tma_scratch()
         B, cfg, T = self.meta.block, self.cfg, self.T
         grow, gstart, gcount, gfirst, n_groups = self.groups
-        sampled_grad_tma_kernel[(n_groups * self.split,)](
+        sampled_grad_tma_kernel[(_persistent_grid(n_groups * self.split, x.device),)](
             x, dy, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1], x.stride(0),
             dy.stride(0), n_groups, self.t_per_split,
             HAS_DBIAS=self.with_bias, BLOCK=B, BLOCK_T=cfg.block_t, SPLIT=self.split,
