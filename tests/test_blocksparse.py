@@ -193,8 +193,11 @@ def test_wide_tile_paths(b, I, O, dtype, pattern, poison):
                                            (64, 128, 192, torch.float16)])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("pattern", ["empty_rows_cols", "random"])
-def test_tma_tile_paths(b, I, O, dtype, wide, pattern, poison):
-    """The TMA kernels (whole-box loads at data-dependent coordinates): forward, dX and dW (token split 2)."""
+@pytest.mark.parametrize("host_desc", [False, True])
+def test_tma_tile_paths(b, I, O, dtype, wide, pattern, host_desc, poison, monkeypatch):
+    """The TMA kernels (whole-box loads at data-dependent coordinates): forward, dX and dW (token split 2), with
+    descriptors made on the device or on the host."""
+    monkeypatch.setattr(bs, "TMA_HOST_DESC", host_desc)
     cfg = TmaDdsConfig(16, 4, 1, wide)
     with forced_config(fwd=cfg, dx=cfg, dw=TmaDwConfig(16, 4, 1)):
         run_against_dense(37, I, O, b, pattern, dtype, True, seed=6)
@@ -399,9 +402,11 @@ def test_gpu_real_shapes(dtype, b, I, O, poison, no_tuning):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b", [32, 64, 128])
 @pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "single"])
-def test_gpu_wide_and_tma_tiles(dtype, b, pattern, poison):
+@pytest.mark.parametrize("host_desc", [False, True])
+def test_gpu_wide_and_tma_tiles(dtype, b, pattern, host_desc, poison, monkeypatch):
     """Every transposed-accumulation and TMA candidate (forward, dX, dW) against the fp32 reference, with bias."""
     torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(bs, "TMA_HOST_DESC", host_desc)
     I, O, T = 1024, 2048, 4096 + 37
     gen = torch.Generator().manual_seed(b + len(pattern))
     mask = make_mask(pattern, (O // b, I // b), gen)

@@ -206,8 +206,10 @@ def sampled_grad_kernel(
 
 @triton.jit
 def dense_x_blocksparse_tma_kernel(
-    a_ptr,     # [T, K] A (X or dY), unit column stride, row stride stride_at (16-byte aligned rows)
-    v_ptr,     # [n_blocks, BLOCK, BLOCK] block values of W (contiguous, A's dtype)
+    a_ptr,     # [T, K] A (X or dY), unit column stride, row stride stride_at (16-byte aligned rows); or, when
+               # HOST_DESC, a host-made tensor descriptor of it with block [BLOCK_T, BLOCK]
+    v_ptr,     # [n_blocks, BLOCK, BLOCK] block values of W (contiguous, A's dtype); or (HOST_DESC) a descriptor of
+               # them viewed as [n_blocks * BLOCK, BLOCK] with block [BLOCK, BLOCK]
     ptr_ptr,   # [n_out_blocks + 1] int32: entries of output column block j are ptr[j] .. ptr[j + 1] - 1 (no padding)
     kidx_ptr,  # [n_entries] int32: the column block of A each entry multiplies
     slot_ptr,  # [n_entries] int32: the entry's slot in the values (input gradient only; the forward's slot is e)
@@ -219,41 +221,43 @@ def dense_x_blocksparse_tma_kernel(
     BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,
     WIDE: tl.constexpr,      # accumulate outᵀ [BLOCK, BLOCK_T] (tokens as the MMA's N side)
+    HOST_DESC: tl.constexpr = False,
 ):
     """The dense x block-sparse product with both operands fetched by the Tensor Memory Accelerator: one
     program per (BLOCK_T tokens, output column block); the tile loads are whole [BLOCK_T, BLOCK] / [BLOCK, BLOCK]
     boxes at data-dependent coordinates, so no thread computes a gather address. The descriptors are made on
     the device (host-made ones cost ~10 µs more per launch to encode and pass)."""
-    # rows past T read as zeros
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[T, K], strides=[stride_at, 1], block_shape=[BLOCK_T, BLOCK])
-    v_desc = tl.make_tensor_descriptor(v_ptr, shape=[n_blocks * BLOCK, BLOCK], strides=[BLOCK, 1],
-                                       block_shape=[BLOCK, BLOCK])
-    # Persistent: each program walks tiles pid, pid + n_programs, ... (output block the fast index: programs running
-    # together share A's token tile in L2), so the descriptors above are made once per program, not per tile.
-    n_tiles = tl.cdiv(T, BLOCK_T) * n_out_blocks
+    if HOST_DESC:
+        a_desc = a_ptr
+        v_desc = v_ptr
+    else:  # rows past T read as zeros
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[T, K], strides=[stride_at, 1],
+                                           block_shape=[BLOCK_T, BLOCK])
+        v_desc = tl.make_tensor_descriptor(v_ptr, shape=[n_blocks * BLOCK, BLOCK], strides=[BLOCK, 1],
+                                           block_shape=[BLOCK, BLOCK])
+    pid = tl.program_id(0)
+    pid_t = pid // n_out_blocks  # output block is the fast index: programs running together share A's tile in L2
+    j = pid % n_out_blocks
+    e_begin = tl.load(ptr_ptr + j)
+    e_end = tl.load(ptr_ptr + j + 1)
+    t0 = pid_t * BLOCK_T
+    acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
+    for e in range(e_begin, e_end):
+        kb = tl.load(kidx_ptr + e)
+        slot = e if FORWARD else tl.load(slot_ptr + e)
+        a = a_desc.load([t0, kb * BLOCK])          # [BLOCK_T, BLOCK]
+        w = v_desc.load([slot * BLOCK, 0])         # W_slot[r, c]
+        if WIDE:
+            acc = tl.dot(w if FORWARD else tl.trans(w), tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(w) if FORWARD else w, acc)
+    res = tl.trans(acc) if WIDE else acc
+    offs_t = t0 + tl.arange(0, BLOCK_T)
     offs_b = tl.arange(0, BLOCK)
-    for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        pid_t = tile // n_out_blocks
-        j = tile % n_out_blocks
-        e_begin = tl.load(ptr_ptr + j)
-        e_end = tl.load(ptr_ptr + j + 1)
-        t0 = pid_t * BLOCK_T
-        acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
-        for e in range(e_begin, e_end):
-            kb = tl.load(kidx_ptr + e)
-            slot = e if FORWARD else tl.load(slot_ptr + e)
-            a = a_desc.load([t0, kb * BLOCK])          # [BLOCK_T, BLOCK]
-            w = v_desc.load([slot * BLOCK, 0])         # W_slot[r, c]
-            if WIDE:
-                acc = tl.dot(w if FORWARD else tl.trans(w), tl.trans(a), acc)
-            else:
-                acc = tl.dot(a, tl.trans(w) if FORWARD else w, acc)
-        res = tl.trans(acc) if WIDE else acc
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        if HAS_BIAS:
-            res += tl.load(bias_ptr + j * BLOCK + offs_b).to(tl.float32)[None, :]
-        dst = out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + j * BLOCK + offs_b[None, :]
-        tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(offs_t < T)[:, None])
+    if HAS_BIAS:
+        res += tl.load(bias_ptr + j * BLOCK + offs_b).to(tl.float32)[None, :]
+    dst = out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + j * BLOCK + offs_b[None, :]
+    tl.store(dst, res.to(out_ptr.dtype.element_ty), mask=(offs_t < T)[:, None])
 
 
 @triton.jit
@@ -269,41 +273,46 @@ def sampled_grad_tma_kernel(
     BLOCK: tl.constexpr,
     BLOCK_T: tl.constexpr,   # tokens per reduction step
     SPLIT: tl.constexpr,     # token slices; > 1 adds partial sums with fp32 atomics
+    HOST_DESC: tl.constexpr = False,  # x_ptr / dy_ptr are host-made descriptors with block [BLOCK_T, BLOCK]
 ):
     """dW at active blocks with TMA loads: one program per (block, token slice) reduces
     ``acc[n, k] = sum_t dY[t, r*B + n] · X[t, kb*B + k]``, which is the block as stored (no transposed store)."""
-    # rows past T read as zeros
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, I], strides=[stride_xt, 1], block_shape=[BLOCK_T, BLOCK])
-    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[T, O], strides=[stride_dy, 1], block_shape=[BLOCK_T, BLOCK])
+    if HOST_DESC:
+        x_desc = x_ptr
+        dy_desc = dy_ptr
+    else:  # rows past T read as zeros
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[T, I], strides=[stride_xt, 1],
+                                           block_shape=[BLOCK_T, BLOCK])
+        dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[T, O], strides=[stride_dy, 1],
+                                            block_shape=[BLOCK_T, BLOCK])
+    pid = tl.program_id(0)
+    split = pid // n_groups  # token slice is the slow index: programs running together share it in L2
+    grp = pid % n_groups
+    r = tl.load(grow_ptr + grp)
+    s0 = tl.load(gstart_ptr + grp)
+    cnt = tl.load(gcount_ptr + grp)
     offs_b = tl.arange(0, BLOCK)
-    # Persistent over (token slice, block) items, slice the slow index: programs running together share it in L2.
-    for item in range(tl.program_id(0), n_groups * SPLIT, tl.num_programs(0)):
-        split = item // n_groups
-        grp = item % n_groups
-        r = tl.load(grow_ptr + grp)
-        s0 = tl.load(gstart_ptr + grp)
-        cnt = tl.load(gcount_ptr + grp)
-        t_begin = split * t_per_split
-        t_end = tl.minimum(t_begin + t_per_split, T)
-        if not HAS_DBIAS:
-            t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
-        kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
-        acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-        dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for t0 in range(t_begin, t_end, BLOCK_T):
-            # (t_per_split is a multiple of BLOCK_T, so a step never reaches into the next slice; rows past T
-            # read as zeros)
-            x = x_desc.load([t0, kb * BLOCK])
-            dy = dy_desc.load([t0, r * BLOCK])
-            acc = tl.dot(tl.trans(dy), x, acc)
-            if HAS_DBIAS:
-                dbacc += tl.sum(dy.to(tl.float32), axis=0)
-        dst = dv_ptr + s0 * (BLOCK * BLOCK) + offs_b[:, None] * BLOCK + offs_b[None, :]
-        has = (offs_b < BLOCK * tl.minimum(cnt, 1))[:, None]  # all False for an empty row
-        if SPLIT == 1:
-            tl.store(dst, acc.to(dv_ptr.dtype.element_ty), mask=has)
-        else:
-            tl.atomic_add(dst, acc, mask=has)
+    t_begin = split * t_per_split
+    t_end = tl.minimum(t_begin + t_per_split, T)
+    if not HAS_DBIAS:
+        t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
+    kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
+    acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
+    dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for t0 in range(t_begin, t_end, BLOCK_T):
+        # (t_per_split is a multiple of BLOCK_T, so a step never reaches into the next slice; rows past T read
+        # as zeros)
+        x = x_desc.load([t0, kb * BLOCK])
+        dy = dy_desc.load([t0, r * BLOCK])
+        acc = tl.dot(tl.trans(dy), x, acc)
         if HAS_DBIAS:
-            first = tl.load(gfirst_ptr + grp)
-            tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1
+            dbacc += tl.sum(dy.to(tl.float32), axis=0)
+    dst = dv_ptr + s0 * (BLOCK * BLOCK) + offs_b[:, None] * BLOCK + offs_b[None, :]
+    has = (offs_b < BLOCK * tl.minimum(cnt, 1))[:, None]  # all False for an empty row
+    if SPLIT == 1:
+        tl.store(dst, acc.to(dv_ptr.dtype.element_ty), mask=has)
+    else:
+        tl.atomic_add(dst, acc, mask=has)
+    if HAS_DBIAS:
+        first = tl.load(gfirst_ptr + grp)
+        tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1

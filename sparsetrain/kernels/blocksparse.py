@@ -271,6 +271,9 @@ _TMA_DW_CANDIDATES = {
 
 
 _THREAD = threading.local()
+# True: the TMA kernels get host-made descriptors (Triton encodes them at every launch); False: they make them
+# on the device (global scratch from Triton's allocator). See docs/blocksparse.md, round 5.
+TMA_HOST_DESC = False
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
@@ -289,16 +292,6 @@ def _ensure_tma_scratch() -> None:
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_tma_scratch)
     _THREAD.scratch = True
-
-
-TMA_PROGRAMS_PER_SM = 4
-
-
-def _persistent_grid(n_items: int, device: torch.device) -> int:
-    """Programs of a persistent TMA kernel: each makes its descriptors once and walks items round-robin."""
-    if interpreting() or device.type != "cuda":
-        return max(1, min(n_items, 2))  # under the interpreter: two programs, so the walk is exercised
-    return max(1, min(n_items, TMA_PROGRAMS_PER_SM * num_sms(device)))
 
 
 def _rows_tma_ok(t: Tensor) -> bool:
@@ -445,7 +438,7 @@ class _TmaPlan:
         self.n_out = meta.grid[0] if forward else meta.grid[1]
         self.idx = ((meta.row_ptr, meta.col_idx, meta.col_idx) if forward
                     else (meta.col_ptr, meta.t_row_idx, meta.t_slot))
-        self.grid = (_persistent_grid(triton_cdiv(self.T, cfg.block_t) * self.n_out, a.device),)
+        self.grid = (triton_cdiv(self.T, cfg.block_t) * self.n_out,)
         self.fallback = fallback
         self.extra = self.n_out * meta.block
 
@@ -457,11 +450,19 @@ class _TmaPlan:
             return
         from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_tma_kernel
 
-        _ensure_tma_scratch()
         B, cfg = self.meta.block, self.cfg
+        if TMA_HOST_DESC:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            a_arg = TensorDescriptor(a, [self.T, self.K], [a.stride(0), 1], [cfg.block_t, B])
+            v_arg = TensorDescriptor(values, [values.shape[0] * B, B], [B, 1], [B, B])
+        else:
+            _ensure_tma_scratch()
+            a_arg, v_arg = a, values
         dense_x_blocksparse_tma_kernel[self.grid](
-            a, values, *self.idx, bias, out, self.T, self.K, a.stride(0), values.shape[0], out.stride(0), self.n_out,
+            a_arg, v_arg, *self.idx, bias, out, self.T, self.K, a.stride(0), values.shape[0], out.stride(0), self.n_out,
             FORWARD=self.forward, HAS_BIAS=self.has_bias, BLOCK=B, BLOCK_T=cfg.block_t, WIDE=cfg.wide,
+            HOST_DESC=TMA_HOST_DESC,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -488,13 +489,20 @@ class _TmaDwPlan:
             return
         from sparsetrain.kernels._blocksparse_triton import sampled_grad_tma_kernel
 
-        _ensure_tma_scratch()
         B, cfg, T = self.meta.block, self.cfg, self.T
         grow, gstart, gcount, gfirst, n_groups = self.groups
-        sampled_grad_tma_kernel[(_persistent_grid(n_groups * self.split, x.device),)](
-            x, dy, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1], x.stride(0),
+        if TMA_HOST_DESC:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            x_arg = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg.block_t, B])
+            dy_arg = TensorDescriptor(dy, list(dy.shape), [dy.stride(0), 1], [cfg.block_t, B])
+        else:
+            _ensure_tma_scratch()
+            x_arg, dy_arg = x, dy
+        sampled_grad_tma_kernel[(n_groups * self.split,)](
+            x_arg, dy_arg, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1], x.stride(0),
             dy.stride(0), n_groups, self.t_per_split,
-            HAS_DBIAS=self.with_bias, BLOCK=B, BLOCK_T=cfg.block_t, SPLIT=self.split,
+            HAS_DBIAS=self.with_bias, BLOCK=B, BLOCK_T=cfg.block_t, SPLIT=self.split, HOST_DESC=TMA_HOST_DESC,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
