@@ -274,10 +274,29 @@ _THREAD = threading.local()
 # True: the TMA kernels get host-made descriptors (Triton encodes them at every launch); False: they make them
 # on the device (global scratch from Triton's allocator). See docs/blocksparse.md, round 5.
 TMA_HOST_DESC = False
+# Offer the TMA kernels to the tuner for the backward products (dX, dW) too. Off: on the H200 their kernels are
+# faster, but launched from the autograd engine's backward thread the eager fwd+bwd step got 40-100 µs slower
+# per layer than with the gather kernels (host-side gaps, cause not found; docs/blocksparse.md, round 5), which
+# outweighs the kernel gain at 10% density. Tuning picks per product in the calling thread and cannot see it.
+TMA_BACKWARD = False
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_context(device: torch.device) -> None:
+    """Host-made descriptors are encoded at launch with the driver API, which fails ("invalid device context")
+    in a thread where no CUDA runtime call has made the context current yet (seen in the autograd engine's
+    backward thread): make it current once per thread."""
+    if device.type != "cuda":
+        return
+    done = getattr(_THREAD, "devices", None)
+    if done is None:
+        done = _THREAD.devices = set()
+    if device.index not in done:
+        torch.cuda.set_device(device)
+        done.add(device.index)
 
 
 def _ensure_tma_scratch() -> None:
@@ -306,13 +325,13 @@ def _tma_ok(a: Tensor, values: Tensor) -> bool:
 
 
 def _tma_dw_candidates(x: Tensor, dy: Tensor, B: int) -> list[TmaDwConfig]:
-    if interpreting() or not (_rows_tma_ok(x) and _rows_tma_ok(dy)) or torch.cuda.get_device_capability(x.device)[0] < 9:
+    if not TMA_BACKWARD or interpreting() or not (_rows_tma_ok(x) and _rows_tma_ok(dy)) or torch.cuda.get_device_capability(x.device)[0] < 9:
         return []
     return list(_TMA_DW_CANDIDATES.get(B, []))
 
 
-def _tma_candidates(a: Tensor, values: Tensor, B: int) -> list[TmaDdsConfig]:
-    if interpreting() or not _tma_ok(a, values) or torch.cuda.get_device_capability(a.device)[0] < 9:
+def _tma_candidates(a: Tensor, values: Tensor, B: int, forward: bool) -> list[TmaDdsConfig]:
+    if not (forward or TMA_BACKWARD) or interpreting() or not _tma_ok(a, values) or torch.cuda.get_device_capability(a.device)[0] < 9:
         return []
     return list(_TMA_CANDIDATES.get(B, []))
 
@@ -454,6 +473,7 @@ class _TmaPlan:
         if TMA_HOST_DESC:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
+            _ensure_context(a.device)
             a_arg = TensorDescriptor(a, [self.T, self.K], [a.stride(0), 1], [cfg.block_t, B])
             v_arg = TensorDescriptor(values, [values.shape[0] * B, B], [B, 1], [B, B])
         else:
@@ -494,6 +514,7 @@ class _TmaDwPlan:
         if TMA_HOST_DESC:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
+            _ensure_context(x.device)
             x_arg = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [cfg.block_t, B])
             dy_arg = TensorDescriptor(dy, list(dy.shape), [dy.stride(0), 1], [cfg.block_t, B])
         else:
@@ -583,7 +604,7 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
     key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features if forward else meta.out_features, n_out * B,
            _density_bucket(meta), a.dtype, values.dtype, has_bias)
     cands = [*_cuda_dds.candidates(a, B, a.shape[1]), *_cuda_dds.ks_candidates(a, B, a.shape[1]),
-             *_tma_candidates(a, values, B), *_DDS_CANDIDATES[B]]
+             *_tma_candidates(a, values, B, forward), *_DDS_CANDIDATES[B]]
     cfg = _pick("fwd" if forward else "dx", key, a.device, cands, _INTERP_DDS[B], launch)
     plan = built.get(cfg) or make_plan(cfg)
     plan(a, values, bias if has_bias else a, out)
