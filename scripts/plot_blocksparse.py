@@ -1,6 +1,6 @@
 """Plots the linear section of bench_blocksparse.json (scripts/bench_blocksparse.py): forward+backward speed vs
-dense cuBLAS against density, one panel per layer shape, one line per block size; the peer's forward at 10%
-density as a marker. Several JSON files may be given: a later file's rows replace an earlier file's (e.g. a
+dense cuBLAS against density, one panel per layer shape, one line per block size (dotted: the same from GPU
+busy time, where the run recorded it); the peer's forward at 10% density as a marker. Several JSON files may be given: a later file's rows replace an earlier file's (e.g. a
 re-run of the 16x16 rows only).
 
     python scripts/plot_blocksparse.py $OUT/bench_blocksparse.json [more.json] --png docs/blocksparse_linear.png
@@ -52,6 +52,11 @@ def main() -> None:
             pts = sorted((float(k.split("_d")[1]), v["speedup"]["fwd_bwd"]) for k, v in row.items()
                          if k.startswith(f"b{b}_d"))
             line = ax.plot([100 * d for d, _ in pts], [s for _, s in pts], marker="o", label=f"ours {b}x{b}")[0]
+            gpu = sorted((float(k.split("_d")[1]), v["speedup"]["fwd_bwd_gpu"]) for k, v in row.items()
+                         if k.startswith(f"b{b}_d") and "fwd_bwd_gpu" in v["speedup"])
+            if gpu:  # GPU busy time (no host gaps): shows where the eager call is host-bound
+                ax.plot([100 * d for d, _ in gpu], [s for _, s in gpu], ls=":", color=line.get_color(),
+                        label=f"ours {b}x{b}, GPU time")
             peer = row.get(f"b{b}_d0.1", {}).get("speedup", {}).get("peer_fwd")
             if peer:
                 ax.plot([10], [peer], marker="x", ls="none", color=line.get_color(),

@@ -183,9 +183,8 @@ def test_other_tile_paths(b, dds, dw, poison):
                                            (64, 128, 192, torch.float32), (64, 128, 192, torch.float16)])
 @pytest.mark.parametrize("pattern", ["empty_rows_cols", "single"])
 def test_wide_tile_paths(b, I, O, dtype, pattern, poison):
-    """Transposed accumulation (tokens / the dW group as the MMA's N side): forward, dX and dW."""
-    with forced_config(fwd=DdsConfig(16, 1, 2, 4, 1, "", True), dx=DdsConfig(32, 1, 1, 4, 1, "", True),
-                       dw=DwConfig(2, 16, 4, 1, True)):
+    """Transposed accumulation (tokens as the MMA's N side): forward and dX."""
+    with forced_config(fwd=DdsConfig(16, 1, 2, 4, 1, "", True), dx=DdsConfig(32, 1, 1, 4, 1, "", True)):
         run_against_dense(37, I, O, b, pattern, dtype, True, seed=5)
 
 
@@ -414,7 +413,7 @@ def test_gpu_wide_and_tma_tiles(dtype, b, pattern, host_desc, poison, monkeypatc
         mask &= torch.rand(mask.shape, generator=gen) < 0.4
     meta = BlockSparseMeta.from_mask(mask, b).to("cuda")
     dds = [c for c in bs._DDS_CANDIDATES[b] if c.wide] + bs._TMA_CANDIDATES[b]
-    dws = [c for c in bs._DW_CANDIDATES[b] if c.wide] + bs._TMA_DW_CANDIDATES[b]
+    dws = bs._TMA_DW_CANDIDATES[b]
     assert dds and dws
     x = torch.randn(T, I, device="cuda", dtype=dtype, requires_grad=True)
     values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=dtype) / b**0.5).requires_grad_()

@@ -127,8 +127,6 @@ def sampled_grad_kernel(
     GROUP: tl.constexpr,     # blocks per group: the tl.dot has M = GROUP * BLOCK
     BLOCK_T: tl.constexpr,   # tokens per reduction step
     SPLIT: tl.constexpr,     # token slices; > 1 adds partial sums with fp32 atomics
-    WIDE: tl.constexpr = False,  # GROUP > 1 only: accumulate [BLOCK, GROUP*BLOCK] = dY_rᵀ·X_g (the group as the
-                                 # MMA's N side: wgmma m64n256 at GROUP = 4 instead of n64), stored as is
 ):
     pid = tl.program_id(0)
     # Token slice is the slow index: the programs running together all read one slice of X and dY,
@@ -144,7 +142,7 @@ def sampled_grad_kernel(
     t_end = tl.minimum(t_begin + t_per_split, T)
     if not HAS_DBIAS:
         t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
-    acc = tl.zeros((BLOCK, GROUP * BLOCK) if WIDE else (GROUP * BLOCK, BLOCK), dtype=tl.float32)
+    acc = tl.zeros((GROUP * BLOCK, BLOCK), dtype=tl.float32)
     dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
     if GROUP == 1:
         kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
@@ -179,26 +177,16 @@ def sampled_grad_kernel(
                          mask=t_ok[:, None, None] & ok_g[None, :, None], other=0.0)
             xg = tl.reshape(xg, (BLOCK_T, GROUP * BLOCK))
             dy = tl.load(dy_ptr + rows * stride_dy + r * BLOCK + offs_b[None, :], mask=t_ok[:, None], other=0.0)
-            if WIDE:
-                acc = tl.dot(tl.trans(dy), xg, acc)  # acc[n, (g, k)] = dW block g at (n, k)
-            else:
-                acc = tl.dot(tl.trans(xg), dy, acc)  # acc[(g, k), n] = dW block g at (n, k)
+            acc = tl.dot(tl.trans(xg), dy, acc)  # acc[(g, k), n] = dW block g at (n, k)
             if HAS_DBIAS:
                 dbacc += tl.sum(dy.to(tl.float32), axis=0)
-        if WIDE:
-            acc3 = tl.reshape(acc, (BLOCK, GROUP, BLOCK))  # [n, g, k]
-            dst = (dv_ptr + (s0 + offs_g)[None, :, None] * (BLOCK * BLOCK)
-                   + offs_b[:, None, None] * BLOCK + offs_b[None, None, :])
-            ok3 = ok_g[None, :, None]
-        else:
-            acc3 = tl.reshape(acc, (GROUP, BLOCK, BLOCK))  # [g, k, n]
-            dst = (dv_ptr + (s0 + offs_g)[:, None, None] * (BLOCK * BLOCK)
-                   + offs_b[None, None, :] * BLOCK + offs_b[None, :, None])
-            ok3 = ok_g[:, None, None]
+        acc3 = tl.reshape(acc, (GROUP, BLOCK, BLOCK))  # [g, k, n]
+        dst = (dv_ptr + (s0 + offs_g)[:, None, None] * (BLOCK * BLOCK)
+               + offs_b[None, None, :] * BLOCK + offs_b[None, :, None])
         if SPLIT == 1:
-            tl.store(dst, acc3.to(dv_ptr.dtype.element_ty), mask=ok3)
+            tl.store(dst, acc3.to(dv_ptr.dtype.element_ty), mask=ok_g[:, None, None])
         else:
-            tl.atomic_add(dst, acc3, mask=ok3)
+            tl.atomic_add(dst, acc3, mask=ok_g[:, None, None])
     if HAS_DBIAS:
         first = tl.load(gfirst_ptr + grp)
         tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1

@@ -202,25 +202,22 @@ class DwConfig(NamedTuple):
     block_t: int
     num_warps: int
     num_stages: int
-    wide: bool = False    # group > 1 only: accumulate [B, group·B] (the group as the MMA's N side)
 
 
-# Up to 11 candidates per kernel and block size (each costs a compile and a short benchmark once). The
-# ``wide`` ones (round 5) accumulate the transposed product, so that the wgmma's N side is 128-256 tokens (or
-# dW blocks) instead of the block edge: an m64n64 wgmma reads 16 MACs' worth per shared-memory byte, which is
-# the shared-memory limit at full tensor rate; m64n256 reads 26.
+# Up to 10 candidates per kernel and block size (each costs a compile and a short benchmark once). The
+# ``wide`` ones (round 5) accumulate the transposed product, so that the MMA's N side is the 128-256 tokens
+# instead of the block edge (an m64n64k16 wgmma does 16 MACs per shared-memory byte it reads, m64n256k16 26);
+# kept where the tuner picked them on the H200 (docs/blocksparse.md, round 5).
 _C = DdsConfig
 _W = True
 _DDS_CANDIDATES = {
     16: [_C(128, 4, 8, 4, 3), _C(128, 4, 8, 4, 3, ".ca"), _C(128, 2, 8, 4, 4, ".ca"), _C(128, 2, 1, 4, 4),
          _C(128, 8, 16, 4, 3, ".ca"), _C(128, 4, 8, 8, 3), _C(128, 2, 8, 8, 2), _C(64, 4, 32, 4, 4, ".ca")],
     32: [_C(128, 2, 4, 4, 3), _C(128, 2, 8, 4, 3, ".ca"), _C(128, 1, 8, 4, 4, ".ca"), _C(128, 1, 1, 4, 4),
-         _C(256, 1, 4, 8, 4), _C(128, 1, 4, 8, 3), _C(128, 1, 4, 8, 2), _C(64, 2, 16, 4, 4, ".ca"),
-         _C(256, 1, 4, 4, 3, "", _W), _C(128, 1, 4, 4, 4, "", _W)],
+         _C(256, 1, 4, 8, 4), _C(128, 1, 4, 8, 3), _C(128, 1, 4, 8, 2), _C(64, 2, 16, 4, 4, ".ca")],
     64: [_C(128, 1, 4, 4, 3), _C(128, 1, 8, 4, 3, ".ca"), _C(256, 1, 2, 8, 3), _C(128, 1, 1, 4, 3),
          _C(128, 1, 4, 8, 3), _C(128, 1, 4, 8, 2), _C(64, 1, 16, 4, 4, ".ca"), _C(256, 1, 8, 8, 3, ".ca"),
-         _C(256, 1, 4, 4, 3, "", _W), _C(256, 1, 2, 8, 3, "", _W), _C(128, 1, 4, 4, 4, "", _W),
-         _C(128, 2, 4, 4, 3), _C(128, 2, 4, 8, 3), _C(256, 2, 2, 8, 2), _C(128, 4, 4, 8, 2), _C(256, 1, 2, 8, 4)],
+         _C(128, 1, 4, 4, 4, "", _W), _C(256, 1, 2, 8, 4)],
     128: [_C(128, 1, 2, 8, 3), _C(64, 1, 8, 4, 3, ".ca"), _C(64, 1, 1, 4, 4), _C(128, 1, 1, 8, 2),
           _C(256, 1, 2, 8, 2, "", _W), _C(128, 1, 2, 8, 3, "", _W)],
 }
@@ -228,11 +225,10 @@ _DW_CANDIDATES = {
     16: [DwConfig(4, 128, 4, 3), DwConfig(8, 128, 8, 3), DwConfig(4, 64, 4, 4), DwConfig(8, 64, 4, 4),
          DwConfig(8, 128, 4, 3), DwConfig(8, 64, 8, 2)],
     32: [DwConfig(2, 128, 4, 3), DwConfig(4, 128, 8, 3), DwConfig(2, 64, 4, 4), DwConfig(4, 64, 4, 4),
-         DwConfig(2, 128, 8, 2), DwConfig(8, 64, 4, 3, _W), DwConfig(4, 128, 4, 3, _W)],
+         DwConfig(2, 128, 8, 2)],
     64: [DwConfig(1, 128, 4, 3), DwConfig(2, 128, 8, 3), DwConfig(1, 64, 4, 4), DwConfig(2, 64, 4, 4),
-         DwConfig(1, 128, 8, 2), DwConfig(1, 64, 8, 3), DwConfig(4, 64, 4, 3, _W), DwConfig(2, 128, 4, 3, _W),
-         DwConfig(4, 64, 8, 3, _W), DwConfig(1, 256, 4, 2), DwConfig(2, 256, 8, 2), DwConfig(1, 128, 8, 4)],
-    128: [DwConfig(1, 64, 8, 3), DwConfig(1, 128, 8, 3), DwConfig(2, 64, 8, 3, _W)],
+         DwConfig(1, 128, 8, 2), DwConfig(1, 64, 8, 3)],
+    128: [DwConfig(1, 64, 8, 3), DwConfig(1, 128, 8, 3)],
 }
 # Under the interpreter: small tiles; b16 exercises the gathered (GROUP_K > 1) path, b32 the scalar one,
 # and 2 output blocks per program exercise the in-loop store.
@@ -249,8 +245,7 @@ class TmaDdsConfig(NamedTuple):
 
 _TMA_CANDIDATES = {
     32: [TmaDdsConfig(128, 4, 4), TmaDdsConfig(256, 8, 4)],
-    64: [TmaDdsConfig(128, 4, 4), TmaDdsConfig(256, 8, 3), TmaDdsConfig(128, 8, 4), TmaDdsConfig(256, 4, 3, _W),
-         TmaDdsConfig(128, 4, 4, _W)],
+    64: [TmaDdsConfig(256, 4, 3, _W), TmaDdsConfig(128, 4, 4, _W)],
     128: [TmaDdsConfig(128, 8, 3), TmaDdsConfig(64, 4, 4), TmaDdsConfig(256, 8, 2, _W)],
 }
 
@@ -639,7 +634,7 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
             args = [None, None, grow, gstart, gcount, gfirst, meta.col_idx, None, None,
                     T, x.stride(0), x.stride(1), dy.stride(0), n_groups, t_per_split]
             opts = dict(HAS_DBIAS=with_bias, BLOCK=B, GROUP=cfg.group, BLOCK_T=cfg.block_t, SPLIT=split,
-                        WIDE=cfg.wide and cfg.group > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return _Plan(sampled_grad_kernel, (n_groups * split,), args, (0, 1, 7, 8), opts, extra=split)
 
         built: dict = {}
