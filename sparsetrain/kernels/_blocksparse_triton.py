@@ -3,7 +3,7 @@
 The weight ``W [O, I]`` is stored compressed: ``values [n_blocks, B, B]`` holds only the active ``B x B``
 blocks, in row-major block order (slot ``s`` is the ``s``-th active block when the block grid is read row by
 row). :mod:`sparsetrain.kernels.blocksparse` builds the int32 metadata and launches these kernels; it also
-explains the launch geometry. Two kernels cover the three products:
+explains the launch geometry. Two kernels cover the three products for every block size:
 
 - :func:`dense_x_blocksparse_kernel` (``out = A · B`` with ``B`` block-sparse): the forward pass
   (``A = X``, ``B = Wᵀ``, entries listed per block-row of ``W``) and the input gradient (``A = dY``,
@@ -15,6 +15,10 @@ explains the launch geometry. Two kernels cover the three products:
 Small blocks would give ``tl.dot`` operands only 16 wide; both kernels therefore gather ``GROUP_K`` /
 ``GROUP`` blocks side by side into one wider operand (a ``[BLOCK_T, GROUP*B]`` strip of ``X``), so the
 tensor cores see K = 64 (forward) or M = 64..128 (weight gradient) even at ``B = 16``.
+
+Two more cover the forward / input gradient and the weight gradient for 32-128 blocks on Hopper with operand
+tiles fetched by the Tensor Memory Accelerator (:func:`dense_x_blocksparse_tma_kernel`,
+:func:`sampled_grad_tma_kernel`; whole boxes at data-dependent coordinates, no per-thread gather addresses).
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ It is rebuilt from the layer's bool block mask ``[O/b, I/b]`` only when the topo
 
 On CUDA (or under ``TRITON_INTERPRET=1``) with square blocks of 16, 32, 64 or 128 the three products run
 as Triton kernels (:mod:`._blocksparse_triton`); for 16x16 and 32x32 blocks on a GPU with ``nvcc`` the CUDA
-kernels of :mod:`._blocksparse_cuda` are timed beside them and used where faster (docs/blocksparse.md, round 4);
+kernels of :mod:`._blocksparse_cuda` are timed beside them and used where faster (docs/blocksparse.md, round 4),
+and for 32-128 blocks on Hopper the TMA kernels (round 5: forward by default, ``TMA_BACKWARD`` for dX / dW);
 otherwise the plain-torch reference
 (:mod:`.blocksparse_reference`) computes the same function through a dense scatter, so the same layer
 trains on a CPU and with small blocks (1, 4, 8), only without the speed-up.
@@ -232,6 +233,9 @@ _DW_CANDIDATES = {
 }
 # Under the interpreter: small tiles; b16 exercises the gathered (GROUP_K > 1) path, b32 the scalar one,
 # and 2 output blocks per program exercise the in-loop store.
+_INTERP_DDS = {16: _C(16, 2, 2, 4, 1), 32: _C(16, 1, 2, 4, 1), 64: _C(16, 1, 2, 4, 1), 128: _C(16, 1, 2, 4, 1)}
+_INTERP_DW = {16: DwConfig(4, 16, 4, 1), 32: DwConfig(2, 16, 4, 1), 64: DwConfig(1, 16, 4, 1),
+              128: DwConfig(1, 16, 4, 1)}
 
 
 class TmaDdsConfig(NamedTuple):
@@ -269,10 +273,11 @@ _THREAD = threading.local()
 # True: the TMA kernels get host-made descriptors (Triton encodes them at every launch); False: they make them
 # on the device (global scratch from Triton's allocator). See docs/blocksparse.md, round 5.
 TMA_HOST_DESC = False
-# Offer the TMA kernels to the tuner for the backward products (dX, dW) too. Off: on the H200 their kernels are
-# faster, but launched from the autograd engine's backward thread the eager fwd+bwd step got 40-100 µs slower
-# per layer than with the gather kernels (host-side gaps, cause not found; docs/blocksparse.md, round 5), which
-# outweighs the kernel gain at 10% density. Tuning picks per product in the calling thread and cannot see it.
+# Offer the TMA kernels to the tuner for the backward products (dX, dW) too. Off by default: on the H200 their
+# kernels are faster, but with them an eager fwd+bwd at 10% density took 0.27 ms of wall time against 0.205 with
+# the gather kernels, for less kernel time (gaps in the backward thread's GPU timeline, cause not found;
+# docs/blocksparse.md, round 5). Tuning times each product alone and cannot see that. Worth turning on where the
+# step is GPU-bound (b64 at 50%: 1.09x vs 0.96x of dense) or runs under CUDA graphs.
 TMA_BACKWARD = False
 
 
@@ -319,21 +324,20 @@ def _tma_ok(a: Tensor, values: Tensor) -> bool:
             and values.data_ptr() % 16 == 0)
 
 
+def _hopper(t: Tensor) -> bool:
+    return not interpreting() and torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
 def _tma_dw_candidates(x: Tensor, dy: Tensor, B: int) -> list[TmaDwConfig]:
-    if not TMA_BACKWARD or interpreting() or not (_rows_tma_ok(x) and _rows_tma_ok(dy)) or torch.cuda.get_device_capability(x.device)[0] < 9:
+    if not (TMA_BACKWARD and _rows_tma_ok(x) and _rows_tma_ok(dy) and _hopper(x)):
         return []
     return list(_TMA_DW_CANDIDATES.get(B, []))
 
 
 def _tma_candidates(a: Tensor, values: Tensor, B: int, forward: bool) -> list[TmaDdsConfig]:
-    if not (forward or TMA_BACKWARD) or interpreting() or not _tma_ok(a, values) or torch.cuda.get_device_capability(a.device)[0] < 9:
+    if not ((forward or TMA_BACKWARD) and _tma_ok(a, values) and _hopper(a)):
         return []
     return list(_TMA_CANDIDATES.get(B, []))
-
-
-_INTERP_DDS = {16: _C(16, 2, 2, 4, 1), 32: _C(16, 1, 2, 4, 1), 64: _C(16, 1, 2, 4, 1), 128: _C(16, 1, 2, 4, 1)}
-_INTERP_DW = {16: DwConfig(4, 16, 4, 1), 32: DwConfig(2, 16, 4, 1), 64: DwConfig(1, 16, 4, 1),
-              128: DwConfig(1, 16, 4, 1)}
 
 _TUNED: dict[tuple, NamedTuple] = {}
 _FORCED: dict[str, NamedTuple] = {}
