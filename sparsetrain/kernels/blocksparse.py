@@ -270,15 +270,16 @@ _TMA_DW_CANDIDATES = {
 
 
 _THREAD = threading.local()
+# Both read once from the environment (SPARSETRAIN_TMA_HOST_DESC=1, SPARSETRAIN_TMA_BACKWARD=1) or set here.
 # True: the TMA kernels get host-made descriptors (Triton encodes them at every launch); False: they make them
 # on the device (global scratch from Triton's allocator). See docs/blocksparse.md, round 5.
-TMA_HOST_DESC = False
+TMA_HOST_DESC = os.environ.get("SPARSETRAIN_TMA_HOST_DESC", "0") == "1"
 # Offer the TMA kernels to the tuner for the backward products (dX, dW) too. Off by default: on the H200 their
 # kernels are faster, but with them an eager fwd+bwd at 10% density took 0.27 ms of wall time against 0.205 with
 # the gather kernels, for less kernel time (gaps in the backward thread's GPU timeline, cause not found;
 # docs/blocksparse.md, round 5). Tuning times each product alone and cannot see that. Worth turning on where the
 # step is GPU-bound (b64 at 50%: 1.09x vs 0.96x of dense) or runs under CUDA graphs.
-TMA_BACKWARD = False
+TMA_BACKWARD = os.environ.get("SPARSETRAIN_TMA_BACKWARD", "0") == "1"
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
