@@ -217,8 +217,9 @@ def dense_x_blocksparse_tma_kernel(
 ):
     """The dense x block-sparse product with both operands fetched by the Tensor Memory Accelerator: one
     program per (BLOCK_T tokens, output column block); the tile loads are whole [BLOCK_T, BLOCK] / [BLOCK, BLOCK]
-    boxes at data-dependent coordinates, so no thread computes a gather address. The descriptors are made on
-    the device (host-made ones cost ~10 µs more per launch to encode and pass)."""
+    boxes at data-dependent coordinates, so no thread computes a gather address. By default the descriptors are
+    made on the device; host-made ones (HOST_DESC) are faster on the GPU but Triton encodes them at every launch
+    (30 vs 23-25 µs of host time per launch on the H200 host, docs/blocksparse.md round 5)."""
     if HOST_DESC:
         a_desc = a_ptr
         v_desc = v_ptr
