@@ -564,14 +564,15 @@ def main() -> None:
     p.add_argument("--check-all-configs", action="store_true")
     p.add_argument("--bert-profile", action="store_true")
     p.add_argument("--bert-blocks", default="16", help="block sizes of the sparse BERT variants (density 0.1)")
-    p.add_argument("--tma", choices=["default", "off", "backward"], default="default",
-                   help="TMA kernels: as shipped (forward only), none (gather kernels only), or also in the backward")
+    p.add_argument("--tma", choices=["all", "off", "forward"], default="all",
+                   help="TMA kernels as tuner candidates: for all three products (the default), none (gather kernels "
+                        "only), or the forward only")
     p.add_argument("--tma-host-desc", action="store_true", help="TMA descriptors made on the host")
     args = p.parse_args()
     if args.tma == "off":
         bs._TMA_CANDIDATES.clear()
         bs._TMA_DW_CANDIDATES.clear()
-    bs.TMA_BACKWARD = args.tma == "backward"
+    bs.TMA_BACKWARD = args.tma == "all"
     bs.TMA_HOST_DESC = args.tma_host_desc
     t0 = time.time()
     for name in args.sections.split(","):

@@ -14,7 +14,7 @@ It is rebuilt from the layer's bool block mask ``[O/b, I/b]`` only when the topo
 On CUDA (or under ``TRITON_INTERPRET=1``) with square blocks of 16, 32, 64 or 128 the three products run
 as Triton kernels (:mod:`._blocksparse_triton`); for 16x16 and 32x32 blocks on a GPU with ``nvcc`` the CUDA
 kernels of :mod:`._blocksparse_cuda` are timed beside them and used where faster (docs/blocksparse.md, round 4),
-and for 32-128 blocks on Hopper the TMA kernels (round 5: forward by default, ``TMA_BACKWARD`` for dX / dW);
+and for 32-128 blocks on Hopper the TMA kernels (round 5);
 otherwise the plain-torch reference
 (:mod:`.blocksparse_reference`) computes the same function through a dense scatter, so the same layer
 trains on a CPU and with small blocks (1, 4, 8), only without the speed-up.
@@ -270,16 +270,15 @@ _TMA_DW_CANDIDATES = {
 
 
 _THREAD = threading.local()
-# Both read once from the environment (SPARSETRAIN_TMA_HOST_DESC=1, SPARSETRAIN_TMA_BACKWARD=1) or set here.
+# Both read once from the environment (SPARSETRAIN_TMA_HOST_DESC=1, SPARSETRAIN_TMA_BACKWARD=0) or set here.
 # True: the TMA kernels get host-made descriptors (Triton encodes them at every launch); False: they make them
 # on the device (global scratch from Triton's allocator). See docs/blocksparse.md, round 5.
 TMA_HOST_DESC = os.environ.get("SPARSETRAIN_TMA_HOST_DESC", "0") == "1"
-# Offer the TMA kernels to the tuner for the backward products (dX, dW) too. Off by default: on the H200 their
-# kernels are faster, but with them an eager fwd+bwd at 10% density took 0.27 ms of wall time against 0.205 with
-# the gather kernels, for less kernel time (gaps in the backward thread's GPU timeline, cause not found;
-# docs/blocksparse.md, round 5). Tuning times each product alone and cannot see that. Worth turning on where the
-# step is GPU-bound (b64 at 50%: 1.09x vs 0.96x of dense) or runs under CUDA graphs.
-TMA_BACKWARD = os.environ.get("SPARSETRAIN_TMA_BACKWARD", "0") == "1"
+# Offer the TMA kernels to the tuner for the backward products (dX, dW) too (SPARSETRAIN_TMA_BACKWARD=0: the
+# forward only). One early run showed slower eager fwd+bwd wall times with them at 10% density; a later run of
+# both settings side by side had the same kind of outlier with the gather backward (host-bound eager calls vary
+# run to run) and TMA equal or faster in all 12 rows (docs/blocksparse.md, round 5).
+TMA_BACKWARD = os.environ.get("SPARSETRAIN_TMA_BACKWARD", "1") != "0"
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
