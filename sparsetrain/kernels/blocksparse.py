@@ -277,7 +277,7 @@ TMA_HOST_DESC = os.environ.get("SPARSETRAIN_TMA_HOST_DESC", "0") == "1"
 # Offer the TMA kernels to the tuner for the backward products (dX, dW) too (SPARSETRAIN_TMA_BACKWARD=0: the
 # forward only). One early run showed slower eager fwd+bwd wall times with them at 10% density; a later run of
 # both settings side by side had the same kind of outlier with the gather backward (host-bound eager calls vary
-# run to run) and TMA equal or faster in all 12 rows (docs/blocksparse.md, round 5).
+# run to run) and TMA faster or within 1% in all 12 rows (docs/blocksparse.md, round 5).
 TMA_BACKWARD = os.environ.get("SPARSETRAIN_TMA_BACKWARD", "1") != "0"
 
 
