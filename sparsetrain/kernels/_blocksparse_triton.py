@@ -115,6 +115,34 @@ def dense_x_blocksparse_kernel(
 
 
 @triton.jit
+def _dw_item(grow_ptr, gstart_ptr, gcount_ptr, T, n_groups, t_per_split, HAS_DBIAS: tl.constexpr):
+    """A weight-gradient program's work item: its group (block row ``r``, first slot ``s0``, ``cnt`` blocks) and
+    token range [t_begin, t_end). The token slice is the slow index: the programs running together all read one
+    slice of X and dY, which fits in L2, so each byte comes from DRAM about once although a column block of X is
+    read by every active block of that column."""
+    pid = tl.program_id(0)
+    split = pid // n_groups
+    grp = pid % n_groups
+    r = tl.load(grow_ptr + grp)
+    s0 = tl.load(gstart_ptr + grp)
+    cnt = tl.load(gcount_ptr + grp)
+    t_begin = split * t_per_split
+    t_end = tl.minimum(t_begin + t_per_split, T)
+    if not HAS_DBIAS:
+        t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
+    return grp, r, s0, cnt, t_begin, t_end
+
+
+@triton.jit
+def _add_dbias(db_ptr, gfirst_ptr, grp, r, dbacc, BLOCK: tl.constexpr):
+    """Adds a group's Σ_t dY over its token slice to the bias gradient; only the first group of a block row does
+    (gfirst is 0 or 1), so a row's tokens are counted once per slice."""
+    offs_b = tl.arange(0, BLOCK)
+    first = tl.load(gfirst_ptr + grp)
+    tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)
+
+
+@triton.jit
 def sampled_grad_kernel(
     x_ptr,       # [T, I] layer input X, strides (stride_xt, stride_xk) (row-major: stride_xk == 1)
     dy_ptr,      # [T, O] output gradient dY, unit column stride, row stride stride_dy
@@ -132,20 +160,9 @@ def sampled_grad_kernel(
     BLOCK_T: tl.constexpr,   # tokens per reduction step
     SPLIT: tl.constexpr,     # token slices; > 1 adds partial sums with fp32 atomics
 ):
-    pid = tl.program_id(0)
-    # Token slice is the slow index: the programs running together all read one slice of X and dY,
-    # which fits in L2, so each byte comes from DRAM about once although a column block of X is read by
-    # every active block of that column.
-    split = pid // n_groups
-    grp = pid % n_groups
-    r = tl.load(grow_ptr + grp)
-    s0 = tl.load(gstart_ptr + grp)
-    cnt = tl.load(gcount_ptr + grp)
+    grp, r, s0, cnt, t_begin, t_end = _dw_item(grow_ptr, gstart_ptr, gcount_ptr, T, n_groups, t_per_split,
+                                               HAS_DBIAS)
     offs_b = tl.arange(0, BLOCK)
-    t_begin = split * t_per_split
-    t_end = tl.minimum(t_begin + t_per_split, T)
-    if not HAS_DBIAS:
-        t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
     acc = tl.zeros((GROUP * BLOCK, BLOCK), dtype=tl.float32)
     dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
     if GROUP == 1:
@@ -192,8 +209,7 @@ def sampled_grad_kernel(
         else:
             tl.atomic_add(dst, acc3, mask=ok_g[:, None, None])
     if HAS_DBIAS:
-        first = tl.load(gfirst_ptr + grp)
-        tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1
+        _add_dbias(db_ptr, gfirst_ptr, grp, r, dbacc, BLOCK)
 
 
 @triton.jit
@@ -278,17 +294,9 @@ def sampled_grad_tma_kernel(
                                            block_shape=[BLOCK_T, BLOCK])
         dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[T, O], strides=[stride_dy, 1],
                                             block_shape=[BLOCK_T, BLOCK])
-    pid = tl.program_id(0)
-    split = pid // n_groups  # token slice is the slow index: programs running together share it in L2
-    grp = pid % n_groups
-    r = tl.load(grow_ptr + grp)
-    s0 = tl.load(gstart_ptr + grp)
-    cnt = tl.load(gcount_ptr + grp)
+    grp, r, s0, cnt, t_begin, t_end = _dw_item(grow_ptr, gstart_ptr, gcount_ptr, T, n_groups, t_per_split,
+                                               HAS_DBIAS)
     offs_b = tl.arange(0, BLOCK)
-    t_begin = split * t_per_split
-    t_end = tl.minimum(t_begin + t_per_split, T)
-    if not HAS_DBIAS:
-        t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
     kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -307,5 +315,4 @@ def sampled_grad_tma_kernel(
     else:
         tl.atomic_add(dst, acc, mask=has)
     if HAS_DBIAS:
-        first = tl.load(gfirst_ptr + grp)
-        tl.atomic_add(db_ptr + r * BLOCK + offs_b, dbacc, mask=offs_b < BLOCK * first)  # first is 0 or 1
+        _add_dbias(db_ptr, gfirst_ptr, grp, r, dbacc, BLOCK)
