@@ -442,12 +442,24 @@ class _Plan:
         self.kernel[self.grid](*args, **self.options)
 
 
-class _TmaPlan:
+class _TmaLaunch:
+    """What the two TMA plans share: the lazily built fallback plan for operands the TMA cannot take."""
+
+    __slots__ = ()
+
+    def _fall_back(self, *ptrs: Tensor) -> None:
+        if not isinstance(self.fallback, _Plan):
+            self.fallback = self.fallback()
+        self.fallback(*ptrs)
+
+
+class _TmaPlan(_TmaLaunch):
     """A launch of :func:`dense_x_blocksparse_tma_kernel`: the tensor descriptors are built per call (they hold
     the data pointers); an operand the TMA cannot take (e.g. a 2-byte-misaligned view, same shape and strides
     as the tuned one) runs the ``fallback`` plan instead."""
 
-    __slots__ = ("cfg", "meta", "forward", "has_bias", "T", "K", "n_out", "idx", "grid", "fallback", "extra")
+    __slots__ = ("cfg", "meta", "forward", "has_bias", "T", "K", "n_out", "idx", "grid", "fallback", "extra",
+                 "kernel")
 
     def __init__(self, a: Tensor, meta: BlockSparseMeta, cfg: TmaDdsConfig, forward: bool, has_bias: bool,
                  fallback: Callable[[], _Plan]):
@@ -459,15 +471,14 @@ class _TmaPlan:
         self.grid = (triton_cdiv(self.T, cfg.block_t) * self.n_out,)
         self.fallback = fallback
         self.extra = self.n_out * meta.block
+        from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_tma_kernel
+
+        self.kernel = dense_x_blocksparse_tma_kernel
 
     def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
         if not _tma_ok(a, values):
-            if not isinstance(self.fallback, _Plan):
-                self.fallback = self.fallback()
-            self.fallback(a, values, bias, out)
+            self._fall_back(a, values, bias, out)
             return
-        from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_tma_kernel
-
         B, cfg = self.meta.block, self.cfg
         if TMA_HOST_DESC:
             from triton.tools.tensor_descriptor import TensorDescriptor
@@ -478,18 +489,18 @@ class _TmaPlan:
         else:
             _ensure_tma_scratch()
             a_arg, v_arg = a, values
-        dense_x_blocksparse_tma_kernel[self.grid](
+        self.kernel[self.grid](
             a_arg, v_arg, *self.idx, bias, out, self.T, self.K, a.stride(0), values.shape[0], out.stride(0), self.n_out,
             FORWARD=self.forward, HAS_BIAS=self.has_bias, BLOCK=B, BLOCK_T=cfg.block_t, WIDE=cfg.wide,
             HOST_DESC=TMA_HOST_DESC,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-class _TmaDwPlan:
+class _TmaDwPlan(_TmaLaunch):
     """A launch of :func:`sampled_grad_tma_kernel` (descriptors built per call); operands the TMA cannot take
     run ``fallback``, the one-block-per-group Triton plan with the same token split (same output buffers)."""
 
-    __slots__ = ("cfg", "meta", "with_bias", "T", "groups", "split", "t_per_split", "fallback", "extra")
+    __slots__ = ("cfg", "meta", "with_bias", "T", "groups", "split", "t_per_split", "fallback", "extra", "kernel")
 
     def __init__(self, x: Tensor, meta: BlockSparseMeta, cfg: TmaDwConfig, with_bias: bool,
                  fallback: Callable[[], _Plan]):
@@ -499,15 +510,14 @@ class _TmaDwPlan:
         self.t_per_split = triton_cdiv(triton_cdiv(self.T, self.split), cfg.block_t) * cfg.block_t
         self.fallback = fallback
         self.extra = self.split
+        from sparsetrain.kernels._blocksparse_triton import sampled_grad_tma_kernel
+
+        self.kernel = sampled_grad_tma_kernel
 
     def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:
         if not (_rows_tma_ok(x) and _rows_tma_ok(dy)):
-            if not isinstance(self.fallback, _Plan):
-                self.fallback = self.fallback()
-            self.fallback(x, dy, dv, db)
+            self._fall_back(x, dy, dv, db)
             return
-        from sparsetrain.kernels._blocksparse_triton import sampled_grad_tma_kernel
-
         B, cfg, T = self.meta.block, self.cfg, self.T
         grow, gstart, gcount, gfirst, n_groups = self.groups
         if TMA_HOST_DESC:
@@ -519,7 +529,7 @@ class _TmaDwPlan:
         else:
             _ensure_tma_scratch()
             x_arg, dy_arg = x, dy
-        sampled_grad_tma_kernel[(n_groups * self.split,)](
+        self.kernel[(n_groups * self.split,)](
             x_arg, dy_arg, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1], x.stride(0),
             dy.stride(0), n_groups, self.t_per_split,
             HAS_DBIAS=self.with_bias, BLOCK=B, BLOCK_T=cfg.block_t, SPLIT=self.split, HOST_DESC=TMA_HOST_DESC,
