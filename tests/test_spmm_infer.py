@@ -19,6 +19,14 @@ def _sparse(m, k, sparsity, dtype=torch.float32, device="cpu"):
     return w
 
 
+def _nan_tail_view(n, k, dtype):
+    """X [n, k] whose rows continue with NaN past column k (row stride a multiple of 8, 16-byte aligned, so the
+    kernels take it without a padded copy): a kernel that reads past K returns NaN."""
+    full = torch.full((n, -(-k // 8) * 8 + 8), float("nan"), device="cuda", dtype=dtype)
+    full[:, :k] = torch.randn(n, k, device="cuda").to(dtype)
+    return full[:, :k]
+
+
 def _rel_err(y, ref):
     return float((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
 
@@ -206,6 +214,8 @@ def test_gpu_cuda_kernel_matches_reference(dtype, m, k, sparsity):
                 assert _rel_err(y, ref) < tol, (n, split)
         xv = torch.randn(n, k + 3, device="cuda").to(dtype)[:, 1:k + 1]  # misaligned, strided view
         assert _rel_err(si.spmm_cuda(xv, cw), spmm_reference(xv, cw)) < tol
+        xt = _nan_tail_view(n, k, dtype)
+        assert _rel_err(si.spmm_cuda(xt, cw), spmm_reference(xt, cw)) < tol
 
 
 @pytest.mark.gpu
@@ -276,6 +286,8 @@ def test_gpu_csl_kernel_matches_reference(dtype, m, k, sparsity):
                 assert _rel_err(sc.spmm_csl_cuda(x, c, bias, split_k=split), ref) < tol, (n, split)
         xv = torch.randn(n, k + 3, device="cuda").to(dtype)[:, 1:k + 1]
         assert _rel_err(sc.spmm_csl_cuda(xv, c), sc.spmm_csl_reference(xv, c)) < tol
+        xt = _nan_tail_view(n, k, dtype)
+        assert _rel_err(sc.spmm_csl_cuda(xt, c), sc.spmm_csl_reference(xt, c)) < tol
     assert _rel_err(spmm_infer(x, c, bias), ref) < tol  # spmm_infer dispatches CslWeight to it
 
 
@@ -374,7 +386,7 @@ def test_gpu_pair_kernel_matches_reference(dtype, m, k, sparsity):
     assert sp.cuda_usable(torch.zeros(1, k, device="cuda", dtype=dtype), c)
     bias = torch.randn(m, device="cuda").to(dtype)
     tol = 2e-3 if dtype == torch.float16 else 1e-2
-    for n in (1, 5, 16, 33, 64):
+    for n in (1, 5, 13, 16, 33, 64):
         x = torch.randn(n, k, device="cuda").to(dtype)
         ref = spmm_reference(x, c, bias)
         for split in (None, 1, 3):
@@ -382,6 +394,8 @@ def test_gpu_pair_kernel_matches_reference(dtype, m, k, sparsity):
                 assert _rel_err(sp.spmm_pair_cuda(x, c, bias, split_k=split), ref) < tol, (n, split)
         xv = torch.randn(n, k + 3, device="cuda").to(dtype)[:, 1:k + 1]
         assert _rel_err(sp.spmm_pair_cuda(xv, c), spmm_reference(xv, c)) < tol
+        xt = _nan_tail_view(n, k, dtype)
+        assert _rel_err(sp.spmm_pair_cuda(xt, c), spmm_reference(xt, c)) < tol
     assert _rel_err(spmm_infer(x, c, bias), ref) < tol  # spmm_infer dispatches PairWeight to it
 
 
@@ -391,6 +405,7 @@ def test_gpu_pair_kernel_empty_and_dense_tiles():
     w[:128] = 0
     w[:, -64:] = 0
     w[128:256, :64] = torch.randn(128, 64, device="cuda").half()
+    w[512:544, 256:320] = torch.randn(32, 64, device="cuda").half()  # one warp's rows of a tile fully dense
     c = sp.compress_pair(w)
     x = torch.randn(7, 1024, device="cuda").half()
     assert _rel_err(sp.spmm_pair_cuda(x, c), spmm_reference(x, c)) < 2e-3
