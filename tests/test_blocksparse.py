@@ -698,3 +698,55 @@ def test_ctypes_signatures_match_the_cuda_sources():
         assert m, f"{name} is not declared in csrc/"
         params = [" ".join(p.split()[:-1]) for p in m.group(1).split(",")]
         assert [kinds[p] for p in params] == argtypes, name
+
+
+def _kept_launches(meta: BlockSparseMeta) -> list:
+    """The KernelLaunch objects of a meta's cached plans that hold a compiled kernel (direct calls)."""
+    from sparsetrain.kernels._triton_launch import KernelLaunch
+
+    out = []
+    for plan in meta._groups.get("plans", {}).values():
+        launch = getattr(plan, "launch", None)
+        for kl in (launch.by_flag.values() if hasattr(launch, "by_flag") else [launch]):
+            if isinstance(kl, KernelLaunch) and kl.compiled is not None:
+                out.append(kl)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["gather", "tma"])
+def test_gpu_direct_launches_match_the_dispatcher(kind, monkeypatch):
+    """Plans call the compiled kernel directly after the first launch: bitwise the same outputs and gradients
+    as through Triton's dispatcher, over repeated calls, new buffers and a misaligned input (which must take
+    the dispatcher again)."""
+    from sparsetrain.kernels import _triton_launch
+
+    b = 64
+    meta = BlockSparseMeta.from_mask(torch.rand(2048 // b, 1024 // b, generator=torch.Generator().manual_seed(3))
+                                     < 0.3, b).to("cuda")
+    values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=torch.bfloat16) / 8).requires_grad_()
+    bias = torch.randn(2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cfgs = ({"fwd": bs._DDS_CANDIDATES[b][0], "dx": bs._DDS_CANDIDATES[b][0], "dw": bs._DW_CANDIDATES[b][1]}
+            if kind == "gather" else
+            {"fwd": bs._TMA_CANDIDATES[b][0], "dx": bs._TMA_CANDIDATES[b][0], "dw": bs._TMA_DW_CANDIDATES[b][0]})
+    buf = torch.randn(777 * 1024 + 8, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(777, 2048, device="cuda", dtype=torch.bfloat16)
+
+    def step(x):
+        x = x.detach().requires_grad_()
+        values.grad = bias.grad = None
+        with forced_config(**cfgs):
+            y = block_sparse_linear(x, values, meta, bias)
+            y.backward(dy)
+        return [t.clone() for t in (y, x.grad, values.grad, bias.grad)]
+
+    inputs = [buf[:777 * 1024].view(777, 1024), buf[8:].view(777, 1024).clone(), buf[1:777 * 1024 + 1].view(777, 1024)]
+    results = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(_triton_launch, "ENABLED", enabled)
+        meta._groups.pop("plans", None)
+        results[enabled] = [step(x) for x in inputs for _ in range(2)]
+        assert bool(_kept_launches(meta)) == enabled
+    for got, ref in zip(results[True], results[False]):
+        for g, r in zip(got, ref):
+            assert torch.equal(g, r)

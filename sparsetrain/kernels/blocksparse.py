@@ -50,6 +50,7 @@ from sparsetrain.kernels._blocksparse_cuda import (
     CudaKsPlan,
 )
 from sparsetrain.kernels._device import num_sms
+from sparsetrain.kernels._triton_launch import KernelLaunch
 from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
 from sparsetrain.sparsity.layout import Block
 
@@ -422,24 +423,43 @@ def triton_cdiv(a: int, b: int) -> int:
 # metadata tensors, the dW split) depends only on the topology, the token count, the strides and the
 # dtypes. It is worked out once per such key into a _Plan kept on the metadata (``meta._groups["plans"]``,
 # dropped with it when the topology changes); a steady-state call then does one dict lookup, one output
-# allocation and the Triton launch (~14.5 µs of Python per launch on the H200 host with Triton 3.6; a
-# direct call of the compiled kernel's launcher was tried and removed, see docs/blocksparse.md, round 2).
+# allocation and the launch, which calls the compiled kernel directly after the first time
+# (:class:`~sparsetrain.kernels._triton_launch.KernelLaunch`: 8.4 instead of 18.5 µs per launch on the H200
+# host with Triton 3.6, docs/blocksparse.md round 6).
 class _Plan:
     """One launch of one kernel with everything but the data pointers fixed: ``args`` holds the kernel's
     arguments with ``None`` at the positions listed in ``ptr_pos`` (filled per call)."""
 
-    __slots__ = ("kernel", "grid", "args", "ptr_pos", "options", "extra")
+    __slots__ = ("kernel", "grid", "args", "ptr_pos", "options", "extra", "launch")
 
     def __init__(self, kernel, grid: tuple[int, ...], args: list, ptr_pos: tuple[int, ...], options: dict,
                  extra=None):
         self.kernel, self.grid, self.args, self.ptr_pos, self.options = kernel, grid, args, ptr_pos, options
         self.extra = extra  # launcher-specific: output width (dds) or token split (dW)
+        self.launch = KernelLaunch(kernel, grid, options)
 
     def __call__(self, *ptrs: Tensor) -> None:
         args = list(self.args)
         for pos, t in zip(self.ptr_pos, ptrs):
             args[pos] = t
-        self.kernel[self.grid](*args, **self.options)
+        self.launch(*args)
+
+
+class _TmaKernelLaunches:
+    """The launch of a TMA kernel for each value of :data:`TMA_HOST_DESC` (read at every call: the descriptor
+    kind decides the arguments)."""
+
+    __slots__ = ("fn", "grid", "kwargs", "by_flag")
+
+    def __init__(self, fn, grid: tuple[int, ...], kwargs: dict):
+        self.fn, self.grid, self.kwargs, self.by_flag = fn, grid, kwargs, {}
+
+    def __call__(self, *args) -> None:
+        flag = TMA_HOST_DESC
+        launch = self.by_flag.get(flag)
+        if launch is None:
+            launch = self.by_flag[flag] = KernelLaunch(self.fn, self.grid, {**self.kwargs, "HOST_DESC": flag})
+        launch(*args)
 
 
 class _TmaLaunch:
@@ -459,7 +479,7 @@ class _TmaPlan(_TmaLaunch):
     as the tuned one) runs the ``fallback`` plan instead."""
 
     __slots__ = ("cfg", "meta", "forward", "has_bias", "T", "K", "n_out", "idx", "grid", "fallback", "extra",
-                 "kernel")
+                 "launch")
 
     def __init__(self, a: Tensor, meta: BlockSparseMeta, cfg: TmaDdsConfig, forward: bool, has_bias: bool,
                  fallback: Callable[[], _Plan]):
@@ -473,7 +493,9 @@ class _TmaPlan(_TmaLaunch):
         self.extra = self.n_out * meta.block
         from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_tma_kernel
 
-        self.kernel = dense_x_blocksparse_tma_kernel
+        self.launch = _TmaKernelLaunches(dense_x_blocksparse_tma_kernel, self.grid, dict(
+            FORWARD=forward, HAS_BIAS=has_bias, BLOCK=meta.block, BLOCK_T=cfg.block_t, WIDE=cfg.wide,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
     def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
         if not _tma_ok(a, values):
@@ -489,18 +511,15 @@ class _TmaPlan(_TmaLaunch):
         else:
             _ensure_tma_scratch()
             a_arg, v_arg = a, values
-        self.kernel[self.grid](
-            a_arg, v_arg, *self.idx, bias, out, self.T, self.K, a.stride(0), values.shape[0], out.stride(0), self.n_out,
-            FORWARD=self.forward, HAS_BIAS=self.has_bias, BLOCK=B, BLOCK_T=cfg.block_t, WIDE=cfg.wide,
-            HOST_DESC=TMA_HOST_DESC,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.launch(a_arg, v_arg, *self.idx, bias, out, self.T, self.K, a.stride(0), values.shape[0], out.stride(0),
+                    self.n_out)
 
 
 class _TmaDwPlan(_TmaLaunch):
     """A launch of :func:`sampled_grad_tma_kernel` (descriptors built per call); operands the TMA cannot take
     run ``fallback``, the one-block-per-group Triton plan with the same token split (same output buffers)."""
 
-    __slots__ = ("cfg", "meta", "with_bias", "T", "groups", "split", "t_per_split", "fallback", "extra", "kernel")
+    __slots__ = ("cfg", "meta", "with_bias", "T", "groups", "split", "t_per_split", "fallback", "extra", "launch")
 
     def __init__(self, x: Tensor, meta: BlockSparseMeta, cfg: TmaDwConfig, with_bias: bool,
                  fallback: Callable[[], _Plan]):
@@ -512,7 +531,9 @@ class _TmaDwPlan(_TmaLaunch):
         self.extra = self.split
         from sparsetrain.kernels._blocksparse_triton import sampled_grad_tma_kernel
 
-        self.kernel = sampled_grad_tma_kernel
+        self.launch = _TmaKernelLaunches(sampled_grad_tma_kernel, (self.groups[4] * self.split,), dict(
+            HAS_DBIAS=with_bias, BLOCK=meta.block, BLOCK_T=cfg.block_t, SPLIT=self.split,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
     def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:
         if not (_rows_tma_ok(x) and _rows_tma_ok(dy)):
@@ -529,11 +550,8 @@ class _TmaDwPlan(_TmaLaunch):
         else:
             _ensure_tma_scratch()
             x_arg, dy_arg = x, dy
-        self.kernel[(n_groups * self.split,)](
-            x_arg, dy_arg, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1], x.stride(0),
-            dy.stride(0), n_groups, self.t_per_split,
-            HAS_DBIAS=self.with_bias, BLOCK=B, BLOCK_T=cfg.block_t, SPLIT=self.split, HOST_DESC=TMA_HOST_DESC,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.launch(x_arg, dy_arg, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1],
+                    x.stride(0), dy.stride(0), n_groups, self.t_per_split)
 
 
 def _plan_key(kind: str, *parts) -> tuple:

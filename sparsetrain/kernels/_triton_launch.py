@@ -1,0 +1,124 @@
+"""Direct launches of compiled Triton kernels for the block-sparse launch plans (host cost).
+
+A Triton launch ``fn[grid](*args, **constexprs)`` goes through the JIT dispatcher every time: it binds the
+arguments, computes each one's specialization (16-byte alignment of pointers, divisibility of integers), builds
+a cache key, looks the compiled kernel up and only then calls its launcher. On the H200 host that is 18.5 µs per
+launch of the TMA forward kernel, of which the launcher itself is 8.4 µs (docs/blocksparse.md, round 6). A launch
+plan calls the same kernel with the same integers and constexprs on every step, only with new data pointers, so
+:class:`KernelLaunch` keeps the kernel the dispatcher returned on its first call and calls its launcher directly
+as long as nothing the dispatcher decides on has changed:
+
+- every argument has the same specialization as at the first call: tensors the same 16-byte alignment and
+  dtype, integers, floats, booleans and ``None`` the same values (anything else, e.g. a host-made tensor
+  descriptor, always takes the dispatcher);
+- no launch hook is installed (a profiler such as proton adds them) and the function has no pre-run hooks;
+- ``SPARSETRAIN_FAST_LAUNCH`` is not ``0`` (:data:`ENABLED`).
+
+Otherwise the call goes through the dispatcher, exactly as before. Triton knobs changed after the first launch
+(e.g. ``TRITON_DEBUG``) are not seen by a kernel already kept.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from torch import Tensor
+
+ENABLED = os.environ.get("SPARSETRAIN_FAST_LAUNCH", "1") != "0"
+
+
+_RUNTIME = []  # [triton.knobs.runtime] once imported ([] before; [None] for a Triton without knobs)
+
+
+def _runtime():
+    if not _RUNTIME:
+        try:
+            from triton import knobs
+            _RUNTIME.append(knobs.runtime)
+        except ImportError:  # an older Triton: no fast path
+            _RUNTIME.append(None)
+    return _RUNTIME[0]
+
+
+def _idle(hook) -> bool:
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
+def _checker(args: tuple):
+    """A function telling whether a later argument tuple has the same specialization as ``args``: tensors of the
+    same dtype, device and 16-byte alignment; integers, floats, booleans and ``None`` equal. Generated as one
+    expression (like Triton's own argument binder) so that the check costs about a microsecond. None if an
+    argument is of a kind not handled here (e.g. a host-made tensor descriptor)."""
+    env: dict = {"Tensor": Tensor}
+    conds = [f"len(a) == {len(args)}"]
+    for i, v in enumerate(args):
+        x = f"a[{i}]"
+        if isinstance(v, Tensor):
+            env[f"d{i}"] = v.dtype
+            aligned = "==" if v.data_ptr() % 16 == 0 else "!="
+            conds.append(f"isinstance({x}, Tensor) and {x}.dtype is d{i} and {x}.get_device() == {v.get_device()} "
+                         f"and {x}.data_ptr() % 16 {aligned} 0")
+        elif v is None or isinstance(v, bool):
+            conds.append(f"{x} is {v!r}")
+        elif isinstance(v, (int, float)):
+            conds.append(f"type({x}) is {type(v).__name__} and {x} == {v!r}")
+        else:
+            return None
+    return eval(f"lambda a: {' and '.join(conds)}", env)  # noqa: S307 - built from the types above only
+
+
+def _on_gpu(tensors: list[Tensor]) -> bool:
+    return all(t.is_cuda for t in tensors)
+
+
+def _stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+class KernelLaunch:
+    """``fn[grid](*args, **kwargs)`` with a fixed grid and fixed keyword arguments (constexprs and launch options
+    such as ``num_warps``); see the module docstring for when a call skips the dispatcher."""
+
+    __slots__ = ("fn", "grid", "kwargs", "compiled", "tail", "same", "device")
+
+    def __init__(self, fn, grid: tuple[int, ...], kwargs: dict):
+        self.fn, self.kwargs = fn, kwargs
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.compiled = self.tail = self.same = self.device = None
+
+    def __call__(self, *args) -> None:
+        c = self.compiled
+        if c is not None and self.same(args):
+            rt = _RUNTIME[0]
+            enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+            if _idle(enter) and _idle(leave):
+                g = self.grid
+                c.run(g[0], g[1], g[2], _stream(self.device), c.function, c.packed_metadata, None, enter, leave,
+                      *args, *self.tail)
+                return
+        kernel = self.fn[self.grid](*args, **self.kwargs)
+        if c is None and ENABLED:
+            self._keep(kernel, args)
+
+    def _keep(self, kernel, args: tuple) -> None:
+        """Keeps the dispatcher's kernel for direct calls when the arguments allow it."""
+        if (kernel is None or not hasattr(kernel, "run") or getattr(self.fn, "pre_run_hooks", None)
+                or _runtime() is None):
+            return  # e.g. the CPU interpreter, which returns no compiled kernel
+        same = _checker(args)
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if same is None or not tensors or not _on_gpu(tensors):
+            return
+        params = list(inspect.signature(self.fn.fn).parameters.values())
+        tail = []
+        for p in params[len(args):]:  # the launcher takes every parameter, constexprs included, in order
+            if p.name in self.kwargs:
+                tail.append(self.kwargs[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:
+                return
+        self.tail, self.same, self.device = tuple(tail), same, tensors[0].get_device()
+        self.compiled = kernel
+

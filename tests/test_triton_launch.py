@@ -1,0 +1,118 @@
+"""KernelLaunch: a launch plan's kernel is called directly after the dispatcher's first call, and only while
+the arguments keep the specialization the dispatcher chose (CPU: a stand-in for the JIT function)."""
+import pytest
+import torch
+
+from sparsetrain.kernels import _triton_launch as tl_launch
+from sparsetrain.kernels._triton_launch import KernelLaunch
+
+
+class _Hooks:
+    def __init__(self):
+        self.calls = []
+
+
+class _Runtime:
+    def __init__(self):
+        self.launch_enter_hook, self.launch_exit_hook = _Hooks(), _Hooks()
+
+
+class _Compiled:
+    function, packed_metadata = "fn-handle", "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *a):
+        self.log.append(("direct", a))
+
+
+class _Jit:
+    """Stands in for a JITFunction: ``fn`` gives the signature, ``[grid]`` the dispatcher."""
+
+    def __init__(self):
+        self.log = []
+
+        def kernel(x, y, n, BLOCK, FLAG=False):  # noqa: N803 - constexpr names as in the Triton kernels
+            pass
+        self.fn = kernel
+
+    def __getitem__(self, grid):
+        def dispatch(*args, **kwargs):
+            self.log.append(("dispatch", grid, args, kwargs))
+            return _Compiled(self.log)
+        return dispatch
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    rt = _Runtime()
+    monkeypatch.setattr(tl_launch, "_RUNTIME", [rt])
+    monkeypatch.setattr(tl_launch, "_on_gpu", lambda tensors: True)
+    monkeypatch.setattr(tl_launch, "_stream", lambda index: 7)
+    monkeypatch.setattr(tl_launch, "ENABLED", True)
+    return rt
+
+
+def _args(n=64, offset=0):
+    buf = torch.zeros(64)
+    return buf[offset:offset + 32], torch.zeros(8, dtype=torch.int32), n
+
+
+def test_second_call_goes_straight_to_the_compiled_kernel(fake_gpu):
+    jit = _Jit()
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16, "num_warps": 4})
+    first, second = _args(), _args()
+    launch(*first)
+    launch(*second)
+    assert [e[0] for e in jit.log] == ["dispatch", "direct"]
+    assert jit.log[0][1] == (5, 1, 1) and jit.log[0][3] == {"BLOCK": 16, "num_warps": 4}
+    direct = jit.log[1][1]
+    assert direct[:8] == (5, 1, 1, 7, "fn-handle", "meta", None, fake_gpu.launch_enter_hook)
+    # every parameter in order: the runtime arguments, then BLOCK from the kwargs and FLAG's default
+    assert direct[9:12] == second and direct[12:] == (16, False)
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "integer", "none", "hook", "descriptor"])
+def test_a_changed_specialization_takes_the_dispatcher(fake_gpu, change):
+    jit = _Jit()
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16})
+    launch(*_args())
+    x, y, n = _args()
+    if change == "misaligned":
+        x = _args(offset=1)[0]  # 4-byte aligned only
+    elif change == "dtype":
+        x = x.double()
+    elif change == "integer":
+        n = 65
+    elif change == "none":
+        y = None
+    elif change == "hook":
+        fake_gpu.launch_enter_hook.calls.append(print)
+    else:
+        x = object()  # e.g. a host-made tensor descriptor
+    launch(x, y, n)
+    assert [e[0] for e in jit.log] == ["dispatch", "dispatch"]
+    launch(*_args())  # the kept kernel is still used for the original specialization
+    assert jit.log[-1][0] == ("dispatch" if change == "hook" else "direct")
+
+
+def test_nothing_is_kept_when_disabled_or_not_compiled(fake_gpu, monkeypatch):
+    jit = _Jit()
+    monkeypatch.setattr(tl_launch, "ENABLED", False)
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16})
+    launch(*_args())
+    launch(*_args())
+    assert [e[0] for e in jit.log] == ["dispatch", "dispatch"]
+    monkeypatch.setattr(tl_launch, "ENABLED", True)
+    jit.__class__ = type("Interp", (_Jit,), {"__getitem__": lambda self, g: (lambda *a, **k: None)})
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16})  # the interpreter returns no compiled kernel
+    launch(*_args())
+    assert launch.compiled is None
+
+
+def test_a_missing_constexpr_keeps_the_dispatcher(fake_gpu):
+    jit = _Jit()
+    launch = KernelLaunch(jit, (5,), {})  # BLOCK has no default and is not given
+    launch(*_args())
+    assert launch.compiled is None
