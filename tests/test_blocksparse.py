@@ -714,13 +714,14 @@ def _kept_launches(meta: BlockSparseMeta) -> list:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["gather", "tma"])
+@pytest.mark.parametrize("kind", ["gather", "tma", "tma_host_desc"])
 def test_gpu_direct_launches_match_the_dispatcher(kind, monkeypatch):
     """Plans call the compiled kernel directly after the first launch: bitwise the same outputs and gradients
     as through Triton's dispatcher, over repeated calls, new buffers and a misaligned input (which must take
     the dispatcher again)."""
     from sparsetrain.kernels import _triton_launch
 
+    monkeypatch.setattr(bs, "TMA_HOST_DESC", kind == "tma_host_desc")
     b = 64
     meta = BlockSparseMeta.from_mask(torch.rand(2048 // b, 1024 // b, generator=torch.Generator().manual_seed(3))
                                      < 0.3, b).to("cuda")

@@ -116,3 +116,21 @@ def test_a_missing_constexpr_keeps_the_dispatcher(fake_gpu):
     launch = KernelLaunch(jit, (5,), {})  # BLOCK has no default and is not given
     launch(*_args())
     assert launch.compiled is None
+
+
+def test_host_descriptors_keep_the_direct_call_while_only_the_base_moves(fake_gpu):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    jit = _Jit()
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16})
+    a, b = torch.zeros(64, 32), torch.zeros(64, 32)
+
+    def desc(t, block=(16, 32)):
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], list(block))
+
+    launch(desc(a), None, 3)
+    launch(desc(b), None, 3)  # a new base pointer: still direct
+    launch(desc(b, (32, 32)), None, 3)  # another block shape: the dispatcher
+    launch(desc(b.double()), None, 3)  # another dtype: the dispatcher
+    launch(desc(torch.zeros(32, 32)), None, 3)  # another shape: the dispatcher
+    assert [e[0] for e in jit.log] == ["dispatch", "direct", "dispatch", "dispatch", "dispatch"]

@@ -8,9 +8,10 @@ plan calls the same kernel with the same integers and constexprs on every step, 
 :class:`KernelLaunch` keeps the kernel the dispatcher returned on its first call and calls its launcher directly
 as long as nothing the dispatcher decides on has changed:
 
-- every argument has the same specialization as at the first call: tensors the same 16-byte alignment and
-  dtype, integers, floats, booleans and ``None`` the same values (anything else, e.g. a host-made tensor
-  descriptor, always takes the dispatcher);
+- every argument has the same specialization as at the first call: tensors the same 16-byte alignment, dtype
+  and device; host-made tensor descriptors the same dtype, device, shape, strides, block shape and padding
+  (only the base pointer may differ); integers, floats, booleans and ``None`` the same values (any other kind
+  of argument always takes the dispatcher);
 - no launch hook is installed (a profiler such as proton adds them) and the function has no pre-run hooks;
 - ``SPARSETRAIN_FAST_LAUNCH`` is not ``0`` (:data:`ENABLED`).
 
@@ -45,12 +46,19 @@ def _idle(hook) -> bool:
     return hook is None or (hasattr(hook, "calls") and not hook.calls)
 
 
+def _descriptor_fields(d) -> dict:
+    out = {}
+    for k in ("shape", "strides", "block_shape", "padding", "round_f32_to_tf32"):
+        f = getattr(d, k, None)
+        out[k] = list(f) if isinstance(f, (list, tuple)) else f
+    return out
+
+
 def _checker(args: tuple):
-    """A function telling whether a later argument tuple has the same specialization as ``args``: tensors of the
-    same dtype, device and 16-byte alignment; integers, floats, booleans and ``None`` equal. Generated as one
-    expression (like Triton's own argument binder) so that the check costs about a microsecond. None if an
-    argument is of a kind not handled here (e.g. a host-made tensor descriptor)."""
-    env: dict = {"Tensor": Tensor}
+    """A function telling whether a later argument tuple has the same specialization as ``args`` (the rules in
+    the module docstring). Generated as one expression, like Triton's own argument binder, so that the check
+    costs one to two microseconds. None if an argument is of a kind not handled here."""
+    env: dict = {"Tensor": Tensor, "_fields": _descriptor_fields}
     conds = [f"len(a) == {len(args)}"]
     for i, v in enumerate(args):
         x = f"a[{i}]"
@@ -59,6 +67,11 @@ def _checker(args: tuple):
             aligned = "==" if v.data_ptr() % 16 == 0 else "!="
             conds.append(f"isinstance({x}, Tensor) and {x}.dtype is d{i} and {x}.get_device() == {v.get_device()} "
                          f"and {x}.data_ptr() % 16 {aligned} 0")
+        elif type(v).__name__ == "TensorDescriptor" and isinstance(getattr(v, "base", None), Tensor):
+            # a host-made descriptor: its base pointer may change; everything else the same as at the first call
+            env[f"t{i}"], env[f"d{i}"], env[f"f{i}"] = type(v), v.base.dtype, _descriptor_fields(v)
+            conds.append(f"type({x}) is t{i} and {x}.base.dtype is d{i} and {x}.base.get_device() == "
+                         f"{v.base.get_device()} and {x}.base.data_ptr() % 16 == 0 and _fields({x}) == f{i}")
         elif v is None or isinstance(v, bool):
             conds.append(f"{x} is {v!r}")
         elif isinstance(v, (int, float)):
@@ -107,7 +120,8 @@ class KernelLaunch:
                 or _runtime() is None):
             return  # e.g. the CPU interpreter, which returns no compiled kernel
         same = _checker(args)
-        tensors = [a for a in args if isinstance(a, Tensor)]
+        tensors = [a.base if type(a).__name__ == "TensorDescriptor" else a for a in args
+                   if isinstance(a, Tensor) or type(a).__name__ == "TensorDescriptor"]
         if same is None or not tensors or not _on_gpu(tensors):
             return
         params = list(inspect.signature(self.fn.fn).parameters.values())

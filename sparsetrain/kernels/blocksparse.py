@@ -250,7 +250,8 @@ class TmaDdsConfig(NamedTuple):
 
 _TMA_CANDIDATES = {
     32: [TmaDdsConfig(128, 4, 4), TmaDdsConfig(256, 8, 4)],
-    64: [TmaDdsConfig(256, 4, 3, _W), TmaDdsConfig(128, 4, 4, _W)],
+    64: [TmaDdsConfig(256, 4, 3, _W), TmaDdsConfig(128, 4, 4, _W), TmaDdsConfig(128, 4, 2, _W),
+         TmaDdsConfig(256, 4, 2, _W)],
     128: [TmaDdsConfig(128, 8, 3), TmaDdsConfig(64, 4, 4), TmaDdsConfig(256, 8, 2, _W)],
 }
 
@@ -264,8 +265,9 @@ class TmaDwConfig(NamedTuple):
 
 
 _TMA_DW_CANDIDATES = {
-    32: [TmaDwConfig(128, 4, 4), TmaDwConfig(64, 4, 4)],
-    64: [TmaDwConfig(64, 4, 4), TmaDwConfig(64, 8, 3), TmaDwConfig(128, 4, 3), TmaDwConfig(128, 8, 3)],
+    32: [TmaDwConfig(128, 4, 4), TmaDwConfig(64, 4, 4), TmaDwConfig(128, 4, 2)],
+    64: [TmaDwConfig(64, 4, 4), TmaDwConfig(64, 8, 3), TmaDwConfig(128, 4, 3), TmaDwConfig(128, 8, 3),
+         TmaDwConfig(32, 4, 3)],
     128: [TmaDwConfig(64, 8, 3), TmaDwConfig(32, 4, 4)],
 }
 
