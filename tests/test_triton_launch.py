@@ -134,3 +134,12 @@ def test_host_descriptors_keep_the_direct_call_while_only_the_base_moves(fake_gp
     launch(desc(b.double()), None, 3)  # another dtype: the dispatcher
     launch(desc(torch.zeros(32, 32)), None, 3)  # another shape: the dispatcher
     assert [e[0] for e in jit.log] == ["dispatch", "direct", "dispatch", "dispatch", "dispatch"]
+
+
+def test_checker_takes_non_finite_floats():
+    """Float arguments are compared by value from the environment, not by their repr (nan/inf are not
+    expressions); nan never equals itself, so such a call always takes the dispatcher."""
+    same = tl_launch._checker((1.5, float("inf"), float("nan")))
+    assert not same((1.5, float("inf"), float("nan")))
+    assert tl_launch._checker((1.5, float("inf")))((1.5, float("inf")))
+    assert not tl_launch._checker((1.5,))((2.5,))

@@ -74,8 +74,9 @@ def _checker(args: tuple):
                          f"{v.base.get_device()} and {x}.base.data_ptr() % 16 == 0 and _fields({x}) == f{i}")
         elif v is None or isinstance(v, bool):
             conds.append(f"{x} is {v!r}")
-        elif isinstance(v, (int, float)):
-            conds.append(f"type({x}) is {type(v).__name__} and {x} == {v!r}")
+        elif isinstance(v, (int, float)):  # the value from env: repr() of nan/inf is not an expression
+            env[f"v{i}"] = v
+            conds.append(f"type({x}) is {type(v).__name__} and {x} == v{i}")
         else:
             return None
     return eval(f"lambda a: {' and '.join(conds)}", env)  # noqa: S307 - built from the types above only
