@@ -198,7 +198,7 @@ def test_tma_tile_paths(b, I, O, dtype, wide, pattern, host_desc, poison, monkey
     descriptors made on the device or on the host."""
     monkeypatch.setattr(bs, "TMA_HOST_DESC", host_desc)
     cfg = TmaDdsConfig(16, 4, 1, wide)
-    with forced_config(fwd=cfg, dx=cfg, dw=TmaDwConfig(16, 4, 1)):
+    with forced_config(fwd=cfg, dx=cfg, dw=TmaDwConfig(16, 4, 1, 2 if wide else 1)):  # dW: groups of 1 and 2
         run_against_dense(37, I, O, b, pattern, dtype, True, seed=6)
 
 
@@ -207,7 +207,7 @@ def test_tma_plans_fall_back_for_misaligned_operands(poison):
     gen = torch.Generator().manual_seed(8)
     meta = BlockSparseMeta.from_mask(make_mask("random", (3, 2), gen), 64)
     values = torch.randn(meta.n_blocks, 64, 64, generator=gen) / 8
-    with forced_config(fwd=TmaDdsConfig(16, 4, 1), dx=TmaDdsConfig(16, 4, 1), dw=TmaDwConfig(16, 4, 1)):
+    with forced_config(fwd=TmaDdsConfig(16, 4, 1), dx=TmaDdsConfig(16, 4, 1), dw=TmaDwConfig(16, 4, 1, 2)):
         for misaligned in (False, True, False):
             buf = torch.randn(37 * 128 + 1, generator=gen)
             x = (buf[1:] if misaligned else buf[:-1]).view(37, 128)

@@ -134,6 +134,18 @@ def _dw_item(grow_ptr, gstart_ptr, gcount_ptr, T, n_groups, t_per_split, HAS_DBI
 
 
 @triton.jit
+def _store_dw(dv_ptr, slot, acc, keep, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
+    """Writes (SPLIT == 1) or adds (fp32 atomics) one block's gradient ``acc[n, k]`` at ``slot``, if ``keep``."""
+    offs_b = tl.arange(0, BLOCK)
+    dst = dv_ptr + slot * (BLOCK * BLOCK) + offs_b[:, None] * BLOCK + offs_b[None, :]
+    has = (offs_b < BLOCK * keep.to(tl.int32))[:, None]  # all False when not kept
+    if SPLIT == 1:
+        tl.store(dst, acc.to(dv_ptr.dtype.element_ty), mask=has)
+    else:
+        tl.atomic_add(dst, acc, mask=has)
+
+
+@triton.jit
 def _add_dbias(db_ptr, gfirst_ptr, grp, r, dbacc, BLOCK: tl.constexpr):
     """Adds a group's Σ_t dY over its token slice to the bias gradient; only the first group of a block row does
     (gfirst is 0 or 1), so a row's tokens are counted once per slice."""
@@ -273,7 +285,7 @@ def dense_x_blocksparse_tma_kernel(
 def sampled_grad_tma_kernel(
     x_ptr,       # [T, I] layer input X, unit column stride, row stride stride_xt (16-byte aligned rows)
     dy_ptr,      # [T, O] output gradient dY, unit column stride, row stride stride_dy (16-byte aligned rows)
-    grow_ptr, gstart_ptr, gcount_ptr, gfirst_ptr,  # groups of one block each (BlockSparseMeta.dw_groups(1))
+    grow_ptr, gstart_ptr, gcount_ptr, gfirst_ptr,  # groups of GROUP blocks (BlockSparseMeta.dw_groups(GROUP))
     kidx_ptr,    # [n_blocks] int32: block column of each slot
     dv_ptr,      # [n_blocks, BLOCK, BLOCK] gradient of the values: float32 zero-filled when SPLIT > 1, else any dtype
     db_ptr,      # [O] float32 bias gradient, zero-filled; written only when HAS_DBIAS
@@ -283,9 +295,12 @@ def sampled_grad_tma_kernel(
     BLOCK_T: tl.constexpr,   # tokens per reduction step
     SPLIT: tl.constexpr,     # token slices; > 1 adds partial sums with fp32 atomics
     HOST_DESC: tl.constexpr = False,  # x_ptr / dy_ptr are host-made descriptors with block [BLOCK_T, BLOCK]
+    GROUP: tl.constexpr = 1,  # blocks per program (1 or 2), consecutive slots of one block row
 ):
-    """dW at active blocks with TMA loads: one program per (block, token slice) reduces
-    ``acc[n, k] = sum_t dY[t, r*B + n] · X[t, kb*B + k]``, which is the block as stored (no transposed store)."""
+    """dW at active blocks with TMA loads: one program per (group, token slice) reduces
+    ``acc[n, k] = sum_t dY[t, r*B + n] · X[t, kb*B + k]``, which is the block as stored (no transposed store).
+    With ``GROUP = 2`` the two blocks of a group share each dY tile: 21 instead of 16 MACs per byte loaded
+    (the 50%-dense products are bound by L2 bandwidth, docs/blocksparse.md round 6)."""
     if HOST_DESC:
         x_desc = x_ptr
         dy_desc = dy_ptr
@@ -296,23 +311,25 @@ def sampled_grad_tma_kernel(
                                             block_shape=[BLOCK_T, BLOCK])
     grp, r, s0, cnt, t_begin, t_end = _dw_item(grow_ptr, gstart_ptr, gcount_ptr, T, n_groups, t_per_split,
                                                HAS_DBIAS)
-    offs_b = tl.arange(0, BLOCK)
     kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
+    if GROUP == 2:  # a group of one block loads its X tile twice and stores the second result nowhere
+        kb1 = tl.load(kidx_ptr + s0 + 1, mask=cnt > 1, other=0)
+        acc1 = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     for t0 in range(t_begin, t_end, BLOCK_T):
         # (t_per_split is a multiple of BLOCK_T, so a step never reaches into the next slice; rows past T read
         # as zeros)
         x = x_desc.load([t0, kb * BLOCK])
         dy = dy_desc.load([t0, r * BLOCK])
-        acc = tl.dot(tl.trans(dy), x, acc)
+        dyt = tl.trans(dy)
+        acc = tl.dot(dyt, x, acc)
+        if GROUP == 2:
+            acc1 = tl.dot(dyt, x_desc.load([t0, kb1 * BLOCK]), acc1)
         if HAS_DBIAS:
             dbacc += tl.sum(dy.to(tl.float32), axis=0)
-    dst = dv_ptr + s0 * (BLOCK * BLOCK) + offs_b[:, None] * BLOCK + offs_b[None, :]
-    has = (offs_b < BLOCK * tl.minimum(cnt, 1))[:, None]  # all False for an empty row
-    if SPLIT == 1:
-        tl.store(dst, acc.to(dv_ptr.dtype.element_ty), mask=has)
-    else:
-        tl.atomic_add(dst, acc, mask=has)
+    _store_dw(dv_ptr, s0, acc, cnt > 0, BLOCK, SPLIT)
+    if GROUP == 2:
+        _store_dw(dv_ptr, s0 + 1, acc1, cnt > 1, BLOCK, SPLIT)
     if HAS_DBIAS:
         _add_dbias(db_ptr, gfirst_ptr, grp, r, dbacc, BLOCK)

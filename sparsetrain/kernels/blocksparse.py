@@ -257,17 +257,19 @@ _TMA_CANDIDATES = {
 
 
 class TmaDwConfig(NamedTuple):
-    """Tiles of the TMA variant of the sampled weight-gradient kernel (one block per program)."""
+    """Tiles of the TMA variant of the sampled weight-gradient kernel (``group`` blocks of one block row per
+    program, sharing each dY tile)."""
 
     block_t: int
     num_warps: int
     num_stages: int
+    group: int = 1
 
 
 _TMA_DW_CANDIDATES = {
-    32: [TmaDwConfig(128, 4, 4), TmaDwConfig(64, 4, 4), TmaDwConfig(128, 4, 2)],
+    32: [TmaDwConfig(128, 4, 4), TmaDwConfig(64, 4, 4), TmaDwConfig(128, 4, 2), TmaDwConfig(128, 4, 3, 2)],
     64: [TmaDwConfig(64, 4, 4), TmaDwConfig(64, 8, 3), TmaDwConfig(128, 4, 3), TmaDwConfig(128, 8, 3),
-         TmaDwConfig(32, 4, 3)],
+         TmaDwConfig(32, 4, 3), TmaDwConfig(32, 4, 3, 2), TmaDwConfig(64, 8, 2, 2)],
     128: [TmaDwConfig(64, 8, 3), TmaDwConfig(32, 4, 4)],
 }
 
@@ -519,14 +521,14 @@ class _TmaPlan(_TmaLaunch):
 
 class _TmaDwPlan(_TmaLaunch):
     """A launch of :func:`sampled_grad_tma_kernel` (descriptors built per call); operands the TMA cannot take
-    run ``fallback``, the one-block-per-group Triton plan with the same token split (same output buffers)."""
+    run ``fallback``, the gather-kernel plan with the same groups and token split (same output buffers)."""
 
     __slots__ = ("cfg", "meta", "with_bias", "T", "groups", "split", "t_per_split", "fallback", "extra", "launch")
 
     def __init__(self, x: Tensor, meta: BlockSparseMeta, cfg: TmaDwConfig, with_bias: bool,
                  fallback: Callable[[], _Plan]):
         self.cfg, self.meta, self.with_bias, self.T = cfg, meta, with_bias, x.shape[0]
-        self.groups = meta.dw_groups(1)
+        self.groups = meta.dw_groups(cfg.group)
         self.split = _choose_split(self.groups[4], self.T, cfg.block_t, x.device)
         self.t_per_split = triton_cdiv(triton_cdiv(self.T, self.split), cfg.block_t) * cfg.block_t
         self.fallback = fallback
@@ -534,7 +536,7 @@ class _TmaDwPlan(_TmaLaunch):
         from sparsetrain.kernels._blocksparse_triton import sampled_grad_tma_kernel
 
         self.launch = _TmaKernelLaunches(sampled_grad_tma_kernel, (self.groups[4] * self.split,), dict(
-            HAS_DBIAS=with_bias, BLOCK=meta.block, BLOCK_T=cfg.block_t, SPLIT=self.split,
+            HAS_DBIAS=with_bias, BLOCK=meta.block, BLOCK_T=cfg.block_t, SPLIT=self.split, GROUP=cfg.group,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages))
 
     def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:
@@ -659,7 +661,7 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
         def make_plan(cfg: DwConfig | CudaDwConfig | TmaDwConfig) -> _Plan | CudaDwPlan | _TmaDwPlan:
             if isinstance(cfg, TmaDwConfig):
                 return _TmaDwPlan(x, meta, cfg, with_bias,
-                                  lambda: make_plan(DwConfig(1, cfg.block_t, cfg.num_warps, cfg.num_stages)))
+                                  lambda: make_plan(DwConfig(cfg.group, cfg.block_t, cfg.num_warps, cfg.num_stages)))
             if isinstance(cfg, CudaDwConfig):
                 return CudaDwPlan(x, meta, cfg, with_bias)
             grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group)
