@@ -35,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="+")
     ap.add_argument("--png", required=True)
+    ap.add_argument("--where", default="", help="device and date for the title when the JSON has no env section")
     args = ap.parse_args()
     rows, env = load_rows(args.json)
     shapes = [s for s in rows if any(k.startswith("b") for k in rows[s])]
@@ -70,7 +71,9 @@ def main() -> None:
         ax.grid(alpha=0.3)
         if i == 0:
             ax.legend(fontsize=7)
-    fig.suptitle(f"{env.get('gpu', '')}, {str(env.get('date', ''))[:10]}: block-sparse linear, 16384 tokens, bf16",
+    where = ", ".join(x for x in (env.get("gpu", ""), str(env.get("date", ""))[:10]) if x) or args.where
+    fig.suptitle(f"{where}: block-sparse linear, 16384 tokens, bf16" if where else
+                 "block-sparse linear, 16384 tokens, bf16",
                  fontsize=11)
     fig.tight_layout()
     fig.savefig(args.png, dpi=110)
