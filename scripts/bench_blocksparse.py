@@ -503,14 +503,14 @@ def sec_host(args) -> dict:
     # the same calls with every launch through Triton's dispatcher (no direct calls of the compiled kernels)
     from sparsetrain.kernels import _triton_launch
 
-    _triton_launch.ENABLED = False
+    enabled, _triton_launch.ENABLED = _triton_launch.ENABLED, False
     meta._groups.pop("plans", None)
     try:
         for name, fn in (("fwd_dispatcher", fwd), ("fwd_bwd_dispatcher", fwd_bwd)):
             out[name + "_us"] = [wall_us(fn) for _ in range(3)]
             say(f"host {name}: " + " / ".join(f"{u:.1f}" for u in out[name + "_us"]) + " µs per call (3 repeats)")
     finally:
-        _triton_launch.ENABLED = True
+        _triton_launch.ENABLED = enabled
         meta._groups.pop("plans", None)
     # pieces: one bare Triton dispatch of the forward kernel, the same through a cached _Plan (a direct call of
     # the compiled kernel after the first), allocations
