@@ -143,3 +143,14 @@ def test_checker_takes_non_finite_floats():
     assert not same((1.5, float("inf"), float("nan")))
     assert tl_launch._checker((1.5, float("inf")))((1.5, float("inf")))
     assert not tl_launch._checker((1.5,))((2.5,))
+
+
+def test_a_refused_launch_is_not_examined_again(fake_gpu, monkeypatch):
+    calls = []
+    real = tl_launch._checker
+    monkeypatch.setattr(tl_launch, "_checker", lambda args: calls.append(1) or real(args))
+    jit = _Jit()
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16})
+    for _ in range(3):
+        launch(object(), None, 3)  # an argument kind the direct path does not take
+    assert len(calls) == 1 and [e[0] for e in jit.log] == ["dispatch"] * 3

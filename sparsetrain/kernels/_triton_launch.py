@@ -94,12 +94,13 @@ class KernelLaunch:
     """``fn[grid](*args, **kwargs)`` with a fixed grid and fixed keyword arguments (constexprs and launch options
     such as ``num_warps``); see the module docstring for when a call skips the dispatcher."""
 
-    __slots__ = ("fn", "grid", "kwargs", "compiled", "tail", "same", "device")
+    __slots__ = ("fn", "grid", "kwargs", "compiled", "tail", "same", "device", "refused")
 
     def __init__(self, fn, grid: tuple[int, ...], kwargs: dict):
         self.fn, self.kwargs = fn, kwargs
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.compiled = self.tail = self.same = self.device = None
+        self.refused = False  # a first call whose arguments cannot take the direct path: not looked at again
 
     def __call__(self, *args) -> None:
         c = self.compiled
@@ -112,8 +113,9 @@ class KernelLaunch:
                       *args, *self.tail)
                 return
         kernel = self.fn[self.grid](*args, **self.kwargs)
-        if c is None and ENABLED:
+        if c is None and ENABLED and not self.refused:
             self._keep(kernel, args)
+            self.refused = self.compiled is None
 
     def _keep(self, kernel, args: tuple) -> None:
         """Keeps the dispatcher's kernel for direct calls when the arguments allow it."""
