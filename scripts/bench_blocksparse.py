@@ -375,8 +375,9 @@ def sec_kernels(args) -> dict:
 
 
 def sec_candidates(args) -> dict:
-    """Every forward / input-gradient tile candidate (Triton and the CUDA X-stationary kernel) timed alone on
-    the same inputs, each checked against the fp32 reference, beside dense cuBLAS for the same product."""
+    """Every forward / input-gradient tile candidate (Triton gather and TMA, the CUDA X-stationary and K-streamed
+    kernels) timed alone on the same inputs, each checked against the fp32 reference, beside dense cuBLAS for the
+    same product."""
     from sparsetrain.kernels import _blocksparse_cuda as cuda_dds
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -402,8 +403,9 @@ def sec_candidates(args) -> dict:
                         def run(x=x, g=g, m=meta):
                             return bs._sampled_grad(x, g, m, with_bias=False)[0]
                     else:
-                        cands = [*cuda_dds.candidates(a, b, a.shape[1]), *cuda_dds.ks_candidates(a, b, a.shape[1]),
-                                 *bs._DDS_CANDIDATES[b]]
+                        cands = [*cuda_dds.candidates(a, b, a.shape[1]),
+                                 *cuda_dds.ks_candidates(a, b, a.shape[1]),
+                                 *bs._tma_candidates(a, v, b, kind == "fwd"), *bs._DDS_CANDIDATES[b]]
 
                         def run(a=a, v=v, m=meta, f=kind == "fwd"):
                             return bs._dds(a, v, m, None, forward=f)
