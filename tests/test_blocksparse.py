@@ -751,3 +751,66 @@ def test_gpu_direct_launches_match_the_dispatcher(kind, monkeypatch):
     for got, ref in zip(results[True], results[False]):
         for g, r in zip(got, ref):
             assert torch.equal(g, r)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_takes_host_descriptors(monkeypatch):
+    """Captured in a CUDA graph, the TMA plans switch to host-made descriptors (TMA_HOST_DESC_IN_GRAPHS, the
+    default) while eager calls keep device-made ones; replays on fresh inputs copied into the static buffers give
+    the eager outputs and gradients and match the fp32 reference."""
+    monkeypatch.setattr(bs, "TMA_HOST_DESC", False)
+    b, T, I, O = 64, 1000, 1024, 2048
+    meta = BlockSparseMeta.from_mask(torch.rand(O // b, I // b, generator=torch.Generator().manual_seed(5)) < 0.3,
+                                     b).to("cuda")
+    values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=torch.bfloat16) / 8).requires_grad_()
+    bias = torch.randn(O, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cfgs = {"fwd": bs._TMA_CANDIDATES[b][0], "dx": bs._TMA_CANDIDATES[b][0], "dw": bs._TMA_DW_CANDIDATES[b][0]}
+    x_s = torch.randn(T, I, device="cuda", dtype=torch.bfloat16)
+    dy_s = torch.randn(T, O, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        x = x_s.detach().requires_grad_()
+        with forced_config(**cfgs):
+            y = block_sparse_linear(x, values, meta, bias)
+            return (y, *torch.autograd.grad(y, (x, values, bias), dy_s))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()  # builds and caches the plans (device-made descriptors)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    tma_plans = [p for p in meta._groups["plans"].values() if hasattr(getattr(p, "launch", None), "by_flag")]
+    assert len(tma_plans) == 3 and all(set(p.launch.by_flag) == {False, True} for p in tma_plans)
+    w = values_to_dense(values.detach().float(), meta)
+    for seed in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x_s.copy_(torch.randn(T, I, device="cuda", generator=gen))
+        dy_s.copy_(torch.randn(T, O, device="cuda", generator=gen))
+        graph.replay()
+        eager = step()
+        xf, gf = x_s.float(), dy_s.float()
+        refs = (xf @ w.t() + bias.float(), gf @ w, dense_to_values(gf.t() @ xf, meta), gf.sum(0))
+        for got, e, ref in zip(static_out, eager, refs):
+            assert rel(got, e) < 1e-3 and rel(got, ref) < 1e-2
+
+
+def test_tma_descriptor_kind_follows_graph_capture(monkeypatch):
+    """Host-made TMA descriptors: always with TMA_HOST_DESC; otherwise only on a CUDA device while a graph is
+    being captured, unless TMA_HOST_DESC_IN_GRAPHS is off. CPU tensors (the interpreter) never ask CUDA."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(bs, "TMA_HOST_DESC", False)
+    monkeypatch.setattr(bs, "TMA_HOST_DESC_IN_GRAPHS", True)
+    assert not bs._host_desc(cuda) and not bs._host_desc(cpu)
+    capturing[0] = True
+    assert bs._host_desc(cuda) and not bs._host_desc(cpu)
+    monkeypatch.setattr(bs, "TMA_HOST_DESC_IN_GRAPHS", False)
+    assert not bs._host_desc(cuda)
+    monkeypatch.setattr(bs, "TMA_HOST_DESC", True)
+    capturing[0] = False
+    assert bs._host_desc(cuda) and bs._host_desc(cpu)

@@ -279,11 +279,22 @@ _THREAD = threading.local()
 # True: the TMA kernels get host-made descriptors (Triton encodes them at every launch); False: they make them
 # on the device (global scratch from Triton's allocator). See docs/blocksparse.md, round 5.
 TMA_HOST_DESC = os.environ.get("SPARSETRAIN_TMA_HOST_DESC", "0") == "1"
+# Under CUDA-graph capture the TMA kernels take host-made descriptors whatever TMA_HOST_DESC says
+# (SPARSETRAIN_TMA_HOST_DESC_GRAPHS=0: they follow TMA_HOST_DESC). Encoding them costs host time at every eager
+# launch, but a graph pays it once at capture, and the kernels run faster with them (docs/blocksparse.md, rounds
+# 6 and 7). The descriptors hold the operands' addresses, which a captured graph keeps fixed anyway.
+TMA_HOST_DESC_IN_GRAPHS = os.environ.get("SPARSETRAIN_TMA_HOST_DESC_GRAPHS", "1") != "0"
 # Offer the TMA kernels to the tuner for the backward products (dX, dW) too (SPARSETRAIN_TMA_BACKWARD=0: the
 # forward only). One early run showed slower eager fwd+bwd wall times with them at 10% density; a later run of
 # both settings side by side had the same kind of outlier with the gather backward (host-bound eager calls vary
 # run to run) and TMA faster or within 1% in all 12 rows (docs/blocksparse.md, round 5).
 TMA_BACKWARD = os.environ.get("SPARSETRAIN_TMA_BACKWARD", "1") != "0"
+
+
+def _host_desc(device: torch.device) -> bool:
+    """Whether this launch of a TMA kernel takes host-made descriptors (read at every call)."""
+    return TMA_HOST_DESC or (TMA_HOST_DESC_IN_GRAPHS and device.type == "cuda"
+                             and torch.cuda.is_current_stream_capturing())
 
 
 def _tma_scratch(size: int, alignment: int, stream: int | None) -> Tensor:
@@ -450,16 +461,15 @@ class _Plan:
 
 
 class _TmaKernelLaunches:
-    """The launch of a TMA kernel for each value of :data:`TMA_HOST_DESC` (read at every call: the descriptor
-    kind decides the arguments)."""
+    """The launch of a TMA kernel for each descriptor kind (``host``: :func:`_host_desc` at the call; the kind
+    decides the arguments)."""
 
     __slots__ = ("fn", "grid", "kwargs", "by_flag")
 
     def __init__(self, fn, grid: tuple[int, ...], kwargs: dict):
         self.fn, self.grid, self.kwargs, self.by_flag = fn, grid, kwargs, {}
 
-    def __call__(self, *args) -> None:
-        flag = TMA_HOST_DESC
+    def __call__(self, flag: bool, *args) -> None:
         launch = self.by_flag.get(flag)
         if launch is None:
             launch = self.by_flag[flag] = KernelLaunch(self.fn, self.grid, {**self.kwargs, "HOST_DESC": flag})
@@ -506,7 +516,8 @@ class _TmaPlan(_TmaLaunch):
             self._fall_back(a, values, bias, out)
             return
         B, cfg = self.meta.block, self.cfg
-        if TMA_HOST_DESC:
+        host = _host_desc(a.device)
+        if host:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             _ensure_context(a.device)
@@ -515,7 +526,7 @@ class _TmaPlan(_TmaLaunch):
         else:
             _ensure_tma_scratch()
             a_arg, v_arg = a, values
-        self.launch(a_arg, v_arg, *self.idx, bias, out, self.T, self.K, a.stride(0), values.shape[0], out.stride(0),
+        self.launch(host, a_arg, v_arg, *self.idx, bias, out, self.T, self.K, a.stride(0), values.shape[0], out.stride(0),
                     self.n_out)
 
 
@@ -545,7 +556,8 @@ class _TmaDwPlan(_TmaLaunch):
             return
         B, cfg, T = self.meta.block, self.cfg, self.T
         grow, gstart, gcount, gfirst, n_groups = self.groups
-        if TMA_HOST_DESC:
+        host = _host_desc(x.device)
+        if host:
             from triton.tools.tensor_descriptor import TensorDescriptor
 
             _ensure_context(x.device)
@@ -554,7 +566,7 @@ class _TmaDwPlan(_TmaLaunch):
         else:
             _ensure_tma_scratch()
             x_arg, dy_arg = x, dy
-        self.launch(x_arg, dy_arg, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1],
+        self.launch(host, x_arg, dy_arg, grow, gstart, gcount, gfirst, self.meta.col_idx, dv, db, T, x.shape[1], dy.shape[1],
                     x.stride(0), dy.stride(0), n_groups, self.t_per_split)
 
 
