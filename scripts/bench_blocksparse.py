@@ -428,14 +428,16 @@ def sec_candidates(args) -> dict:
                 dw_ref = reference_grads(x.float(), g.float(), v.float(), meta)[1]
                 for kind, a, ref in (("fwd", x, x.float() @ w32.t()), ("dx", g, g.float() @ w32), ("dw", x, dw_ref)):
                     if kind == "dw":
-                        cands = [*cuda_dds.dw_candidates(x, g, meta, False), *bs._DW_CANDIDATES[b]]
+                        cands = [*cuda_dds.dw_candidates(x, g, meta, False), *bs._DW_CANDIDATES[b],
+                                 *bs._dense_candidates(x)]
 
                         def run(x=x, g=g, m=meta):
                             return bs._sampled_grad(x, g, m, with_bias=False)[0]
                     else:
                         cands = [*cuda_dds.candidates(a, b, a.shape[1]),
                                  *cuda_dds.ks_candidates(a, b, a.shape[1]),
-                                 *bs._tma_candidates(a, v, b, kind == "fwd"), *bs._DDS_CANDIDATES[b]]
+                                 *bs._tma_candidates(a, v, b, kind == "fwd"), *bs._DDS_CANDIDATES[b],
+                                 *bs._dense_candidates(a)]
 
                         def run(a=a, v=v, m=meta, f=kind == "fwd"):
                             return bs._dds(a, v, m, None, forward=f)
@@ -454,8 +456,9 @@ def sec_candidates(args) -> dict:
                         rows.append({"cfg": repr(c), "cuda": type(c).__name__.startswith("Cuda"), "ms": ms,
                                      "err": err, "vs_dense": dense[kind] / ms})
                     ok = [r for r in rows if "ms" in r]
-                    bt = min((r for r in ok if not r["cuda"] and "wide=True" not in r["cfg"]), key=lambda r: r["ms"],
-                             default=None)
+                    bt = min((r for r in ok if not r["cuda"] and "wide=True" not in r["cfg"]
+                              and r["cfg"] != "DenseConfig()"), key=lambda r: r["ms"], default=None)
+                    fb = next((r for r in ok if r["cfg"] == "DenseConfig()"), None)
                     bw = min((r for r in ok if "wide=True" in r["cfg"]), key=lambda r: r["ms"], default=None)
                     bc = min((r for r in ok if r["cuda"]), key=lambda r: r["ms"], default=None)
                     worst = max((r["err"] for r in ok), default=float("nan"))
@@ -464,7 +467,7 @@ def sec_candidates(args) -> dict:
                     def fmt(r):
                         return "-" if r is None else f"{r['ms']:.3f} ms ({r['vs_dense']:.2f}x) {r['cfg']}"
                     say(f"cand {shp} b{b} d{d} {kind}: dense {dense[kind]:.3f} | triton {fmt(bt)} | wide {fmt(bw)}"
-                        f" | cuda {fmt(bc)}"
+                        f" | cuda {fmt(bc)} | dense fallback {fmt(fb)}"
                         f" | worst err {worst:.1e}" + ("  FAIL" if not worst < 1e-2 else ""))
                 R["candidates"] = out
                 save()

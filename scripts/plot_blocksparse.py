@@ -1,6 +1,7 @@
 """Plots the linear section of bench_blocksparse.json (scripts/bench_blocksparse.py): forward+backward speed vs
 dense cuBLAS against density, one panel per layer shape, one line per block size (dotted: the same from GPU
-busy time, where the run recorded it); the peer's forward at 10% density as a marker. Several JSON files may be given: a later file's rows replace an earlier file's (e.g. a
+busy time; dashed: both sides replayed from a CUDA graph; each where the run recorded it); the peer's forward at
+10% density as a marker. Several JSON files may be given: a later file's rows replace an earlier file's (e.g. a
 re-run of the 16x16 rows only).
 
     python scripts/plot_blocksparse.py $OUT/bench_blocksparse.json [more.json] --png docs/blocksparse_linear.png
@@ -58,6 +59,11 @@ def main() -> None:
             if gpu:  # GPU busy time (no host gaps): shows where the eager call is host-bound
                 ax.plot([100 * d for d, _ in gpu], [s for _, s in gpu], ls=":", color=line.get_color(),
                         label=f"ours {b}x{b}, GPU time")
+            graph = sorted((float(k.split("_d")[1]), v["speedup"]["fwd_bwd_graph"]) for k, v in row.items()
+                           if k.startswith(f"b{b}_d") and v["speedup"].get("fwd_bwd_graph"))
+            if graph:  # both sides replayed from a CUDA graph (no host work per call)
+                ax.plot([100 * d for d, _ in graph], [s for _, s in graph], ls="--", marker=".",
+                        color=line.get_color(), label=f"ours {b}x{b}, CUDA graph")
             peer = row.get(f"b{b}_d0.1", {}).get("speedup", {}).get("peer_fwd")
             if peer:
                 ax.plot([10], [peer], marker="x", ls="none", color=line.get_color(),
@@ -70,7 +76,7 @@ def main() -> None:
         ax.set_xticks([10, 25, 50])
         ax.grid(alpha=0.3)
         if i == 0:
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6, loc="upper right")
     where = ", ".join(x for x in (env.get("gpu", ""), str(env.get("date", ""))[:10]) if x) or args.where
     fig.suptitle(f"{where}: block-sparse linear, 16384 tokens, bf16" if where else
                  "block-sparse linear, 16384 tokens, bf16",

@@ -814,3 +814,35 @@ def test_tma_descriptor_kind_follows_graph_capture(monkeypatch):
     monkeypatch.setattr(bs, "TMA_HOST_DESC", True)
     capturing[0] = False
     assert bs._host_desc(cuda) and bs._host_desc(cpu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "single"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_dense_fallback_candidate_matches_dense(dtype, pattern, with_bias, poison):
+    """The dense fallback (DenseConfig: scatter the blocks into W / gather them from dYᵀ·X around cuBLAS) forced
+    for all three products gives the masked dense layer's outputs and gradients (plain torch, so it runs here)."""
+    dense = bs.DenseConfig()
+    with forced_config(fwd=dense, dx=dense, dw=dense):
+        run_against_dense(37, 64, 96, 16, pattern, dtype, with_bias, seed=len(pattern))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b", [16, 64])
+def test_gpu_dense_fallback_candidate(dtype, b, poison):
+    """The dense fallback on the GPU vs the fp32 reference: forward and input gradient through the same cases
+    as the CUDA tiles (bias kinds, fp32 master values), and the weight gradient with float32 output."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O = 512, 1024
+    gen = torch.Generator().manual_seed(b)
+    meta = BlockSparseMeta.from_mask(make_mask("random", (O // b, I // b), gen), b).to("cuda")
+    _check_dds_tiles(meta, [bs.DenseConfig()], I, O, b, dtype)
+    x = torch.randn(1037, I, device="cuda", dtype=dtype)
+    dy = torch.randn(1037, O, device="cuda", dtype=dtype)
+    _, dv_ref, db_ref = reference_grads(x.float(), dy.float(), torch.zeros(meta.n_blocks, b, b, device="cuda"), meta)
+    with forced_config(dw=bs.DenseConfig()):
+        dv, db = bs._sampled_grad(x, dy, meta, with_bias=True, out_dtype=torch.float32)
+    plan = next(p for p in meta._groups["plans"].values() if isinstance(p, bs._DenseDwPlan))
+    assert dv.dtype == torch.float32
+    assert rel(dv, dv_ref) < (1e-4 if plan.f32_out else 1e-2) and rel(db, db_ref) < 1e-4

@@ -433,6 +433,77 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# ---- the dense fallback as a tuner candidate ---------------------------------------------------------
+class DenseConfig(NamedTuple):
+    """The dense fallback as a tile candidate of every product: scatter the active blocks into a dense ``W``
+    and call cuBLAS (forward, input gradient), or compute the dense ``dYᵀ·X`` and gather the active blocks
+    (weight gradient). The tuner times it beside the block kernels, so a layer whose blocks are small and dense
+    (16x16 at 50%: the kernels run at ~0.35x of dense there, docs/blocksparse.md round 7) runs near dense speed
+    instead. Parameters and optimizer state stay compressed; only the step's transient buffers are dense."""
+
+
+def _dense_candidates(t: Tensor) -> list[DenseConfig]:
+    return [DenseConfig()] if t.is_cuda else []
+
+
+def _block_index(meta: BlockSparseMeta) -> tuple[Tensor, Tensor]:
+    key = ("block_index",)
+    if key not in meta._groups:
+        meta._groups[key] = (meta.row_idx.long(), meta.col_idx.long())
+    return meta._groups[key]
+
+
+def _blocks_view(w: Tensor, meta: BlockSparseMeta) -> Tensor:
+    """``w [O, I]`` as ``[R, C, br, bc]`` (a view: indexing it reads or writes ``w``'s blocks)."""
+    R, C = meta.grid
+    return w.view(R, meta.block_rows, C, meta.block_cols).permute(0, 2, 1, 3)
+
+
+class _DenseDdsPlan:
+    """:class:`DenseConfig` for the forward / input gradient (called like the kernel plans)."""
+
+    __slots__ = ("meta", "forward", "has_bias", "extra")
+
+    def __init__(self, meta: BlockSparseMeta, forward: bool, has_bias: bool):
+        self.meta, self.forward, self.has_bias = meta, forward, has_bias
+        self.extra = (meta.grid[0] if forward else meta.grid[1]) * meta.block
+
+    def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
+        meta = self.meta
+        w = torch.zeros(meta.out_features, meta.in_features, dtype=a.dtype, device=a.device)
+        _blocks_view(w, meta)[_block_index(meta)] = values.to(a.dtype)
+        if not self.forward:
+            torch.mm(a, w, out=out)
+        elif self.has_bias:
+            torch.addmm(bias.to(a.dtype), a, w.t(), out=out)
+        else:
+            torch.mm(a, w.t(), out=out)
+
+
+class _DenseDwPlan:
+    """:class:`DenseConfig` for the weight gradient: ``dYᵀ·X`` by cuBLAS (float32 output where the active
+    blocks are float32 and this torch has ``mm(out_dtype=)``), then a gather of the active blocks."""
+
+    __slots__ = ("meta", "with_bias", "extra", "f32_out")
+
+    def __init__(self, x: Tensor, meta: BlockSparseMeta, with_bias: bool):
+        self.meta, self.with_bias, self.extra = meta, with_bias, 1  # extra: no token split
+        try:
+            probe = torch.zeros(8, 8, dtype=x.dtype, device=x.device)
+            self.f32_out = torch.mm(probe, probe, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError):
+            self.f32_out = False
+
+    def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:
+        if dv.dtype == torch.float32 and self.f32_out and x.dtype != torch.float32:
+            g = torch.mm(dy.t(), x, out_dtype=torch.float32)
+        else:
+            g = torch.mm(dy.t(), x)
+        dv.copy_(_blocks_view(g, self.meta)[_block_index(self.meta)])
+        if self.with_bias:
+            torch.sum(dy, 0, dtype=torch.float32, out=db)
+
+
 # ---- cached launch plans ----------------------------------------------------------------------------
 # Everything a launch needs besides the data pointers (tile config, grid, every integer argument, the
 # metadata tensors, the dW split) depends only on the topology, the token count, the strides and the
@@ -618,8 +689,10 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
     if T == 0:
         return out
 
-    def make_plan(cfg: DdsConfig | CudaDdsConfig | CudaKsConfig | TmaDdsConfig
-                  ) -> _Plan | CudaDdsPlan | CudaKsPlan | _TmaPlan:
+    def make_plan(cfg: DdsConfig | CudaDdsConfig | CudaKsConfig | TmaDdsConfig | DenseConfig
+                  ) -> _Plan | CudaDdsPlan | CudaKsPlan | _TmaPlan | _DenseDdsPlan:
+        if isinstance(cfg, DenseConfig):
+            return _DenseDdsPlan(meta, forward, has_bias)
         if isinstance(cfg, TmaDdsConfig):
             return _TmaPlan(a, meta, cfg, forward, has_bias, lambda: make_plan(_DDS_CANDIDATES[B][0]))
         if isinstance(cfg, CudaDdsConfig):
@@ -647,7 +720,7 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
     key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features if forward else meta.out_features, n_out * B,
            _density_bucket(meta), a.dtype, values.dtype, has_bias)
     cands = [*_cuda_dds.candidates(a, B, a.shape[1]), *_cuda_dds.ks_candidates(a, B, a.shape[1]),
-             *_tma_candidates(a, values, B, forward), *_DDS_CANDIDATES[B]]
+             *_tma_candidates(a, values, B, forward), *_DDS_CANDIDATES[B], *_dense_candidates(a)]
     cfg = _pick("fwd" if forward else "dx", key, a.device, cands, _INTERP_DDS[B], launch)
     plan = built.get(cfg) or make_plan(cfg)
     plan(a, values, bias if has_bias else a, out)
@@ -670,7 +743,10 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
 
         B = meta.block
 
-        def make_plan(cfg: DwConfig | CudaDwConfig | TmaDwConfig) -> _Plan | CudaDwPlan | _TmaDwPlan:
+        def make_plan(cfg: DwConfig | CudaDwConfig | TmaDwConfig | DenseConfig
+                      ) -> _Plan | CudaDwPlan | _TmaDwPlan | _DenseDwPlan:
+            if isinstance(cfg, DenseConfig):
+                return _DenseDwPlan(x, meta, with_bias)
             if isinstance(cfg, TmaDwConfig):
                 return _TmaDwPlan(x, meta, cfg, with_bias,
                                   lambda: make_plan(DwConfig(cfg.group, cfg.block_t, cfg.num_warps, cfg.num_stages)))
@@ -695,7 +771,7 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
         key = (B, 1 << max(0, T - 1).bit_length(), meta.in_features, meta.out_features, _density_bucket(meta),
                x.dtype, out_dtype, with_bias)
         cands = [*_cuda_dds.dw_candidates(x, dy, meta, with_bias), *_tma_dw_candidates(x, dy, B),
-                 *_DW_CANDIDATES[B]]
+                 *_DW_CANDIDATES[B], *_dense_candidates(x)]
         cfg = _pick("dw", key, dev, cands, _INTERP_DW[B], launch)
         plan = built.get(cfg) or make_plan(cfg)
         if T > 0 and _may_cache(dev):
