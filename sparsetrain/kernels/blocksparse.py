@@ -28,6 +28,7 @@ torch.Size([37, 96])
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -666,6 +667,39 @@ def _may_cache(device: torch.device) -> bool:
 
 
 # ---- launchers ------------------------------------------------------------------------------------
+def _gather_dds_plan(meta: BlockSparseMeta, cfg: DdsConfig, forward: bool, has_bias: bool, T: int,
+                     a_strides: tuple[int, int], out_stride: int) -> _Plan:
+    """The launch plan of the gather kernel (:func:`dense_x_blocksparse_kernel`) for one tile."""
+    from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_kernel
+
+    B = meta.block
+    n_out = meta.grid[0] if forward else meta.grid[1]
+    ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k)
+    n_ranges = triton_cdiv(n_out, cfg.blocks_per_prog)
+    grid = (triton_cdiv(T, cfg.block_t) * n_ranges,)
+    args = [None, None, ptr, kidx, slot, oidx, None, None,
+            T, a_strides[0], a_strides[1], out_stride, n_out, n_ranges, cfg.blocks_per_prog]
+    opts = dict(FORWARD=forward, HAS_BIAS=has_bias, BLOCK=B, GROUP_K=cfg.group_k, BLOCK_T=cfg.block_t,
+                CACHE_A=cfg.cache_a, WIDE=cfg.wide and cfg.group_k == 1, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+    return _Plan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7), opts, extra=n_out * B)
+
+
+def _gather_dw_plan(meta: BlockSparseMeta, cfg: DwConfig, with_bias: bool, T: int, x_strides: tuple[int, int],
+                    dy_stride: int, device: torch.device) -> _Plan:
+    """The launch plan of the gather weight-gradient kernel (:func:`sampled_grad_kernel`) for one tile."""
+    from sparsetrain.kernels._blocksparse_triton import sampled_grad_kernel
+
+    grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group)
+    split = _choose_split(n_groups, T, cfg.block_t, device)
+    t_per_split = triton_cdiv(triton_cdiv(T, split), cfg.block_t) * cfg.block_t
+    args = [None, None, grow, gstart, gcount, gfirst, meta.col_idx, None, None,
+            T, x_strides[0], x_strides[1], dy_stride, n_groups, t_per_split]
+    opts = dict(HAS_DBIAS=with_bias, BLOCK=meta.block, GROUP=cfg.group, BLOCK_T=cfg.block_t, SPLIT=split,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _Plan(sampled_grad_kernel, (n_groups * split,), args, (0, 1, 7, 8), opts, extra=split)
+
+
 def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool) -> Tensor:
     """``a [T, K] · B`` with ``B = Wᵀ`` (forward) or ``B = W`` (input gradient)."""
     T = a.shape[0]
@@ -679,7 +713,6 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
             out.fill_(float("nan"))
         plan(a, values, bias if has_bias else a, out)
         return out
-    from sparsetrain.kernels._blocksparse_triton import dense_x_blocksparse_kernel
 
     B = meta.block
     n_out = meta.grid[0] if forward else meta.grid[1]
@@ -694,20 +727,15 @@ def _dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, 
         if isinstance(cfg, DenseConfig):
             return _DenseDdsPlan(meta, forward, has_bias)
         if isinstance(cfg, TmaDdsConfig):
-            return _TmaPlan(a, meta, cfg, forward, has_bias, lambda: make_plan(_DDS_CANDIDATES[B][0]))
+            # the fallback is built from integers only: a closure over this call's tensors would keep them (the
+            # first batch's activations and output, per layer) alive as long as the plan
+            return _TmaPlan(a, meta, cfg, forward, has_bias, functools.partial(
+                _gather_dds_plan, meta, _DDS_CANDIDATES[B][0], forward, has_bias, T, a.stride(), out.stride(0)))
         if isinstance(cfg, CudaDdsConfig):
             return CudaDdsPlan(a, meta, cfg, forward, has_bias)
         if isinstance(cfg, CudaKsConfig):
             return CudaKsPlan(a, meta, cfg, forward, has_bias)
-        ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k)
-        n_ranges = triton_cdiv(n_out, cfg.blocks_per_prog)
-        grid = (triton_cdiv(T, cfg.block_t) * n_ranges,)
-        args = [None, None, ptr, kidx, slot, oidx, None, None,
-                T, a.stride(0), a.stride(1), out.stride(0), n_out, n_ranges, cfg.blocks_per_prog]
-        opts = dict(FORWARD=forward, HAS_BIAS=has_bias, BLOCK=B, GROUP_K=cfg.group_k, BLOCK_T=cfg.block_t,
-                    CACHE_A=cfg.cache_a, WIDE=cfg.wide and cfg.group_k == 1, num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages)
-        return _Plan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7), opts, extra=n_out * B)
+        return _gather_dds_plan(meta, cfg, forward, has_bias, T, a.stride(), out.stride(0))
 
     built: dict = {}  # one plan per candidate while tuning (timing must not include building it)
 
@@ -739,7 +767,6 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
                      with_bias, dev)
     plan = _plans(meta).get(pkey)
     if plan is None:
-        from sparsetrain.kernels._blocksparse_triton import sampled_grad_kernel
 
         B = meta.block
 
@@ -747,19 +774,13 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
                       ) -> _Plan | CudaDwPlan | _TmaDwPlan | _DenseDwPlan:
             if isinstance(cfg, DenseConfig):
                 return _DenseDwPlan(x, meta, with_bias)
-            if isinstance(cfg, TmaDwConfig):
-                return _TmaDwPlan(x, meta, cfg, with_bias,
-                                  lambda: make_plan(DwConfig(cfg.group, cfg.block_t, cfg.num_warps, cfg.num_stages)))
+            if isinstance(cfg, TmaDwConfig):  # fallback from integers only (see _dds)
+                return _TmaDwPlan(x, meta, cfg, with_bias, functools.partial(
+                    _gather_dw_plan, meta, DwConfig(cfg.group, cfg.block_t, cfg.num_warps, cfg.num_stages),
+                    with_bias, T, x.stride(), dy.stride(0), dev))
             if isinstance(cfg, CudaDwConfig):
                 return CudaDwPlan(x, meta, cfg, with_bias)
-            grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group)
-            split = _choose_split(n_groups, T, cfg.block_t, dev)
-            t_per_split = triton_cdiv(triton_cdiv(T, split), cfg.block_t) * cfg.block_t
-            args = [None, None, grow, gstart, gcount, gfirst, meta.col_idx, None, None,
-                    T, x.stride(0), x.stride(1), dy.stride(0), n_groups, t_per_split]
-            opts = dict(HAS_DBIAS=with_bias, BLOCK=B, GROUP=cfg.group, BLOCK_T=cfg.block_t, SPLIT=split,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            return _Plan(sampled_grad_kernel, (n_groups * split,), args, (0, 1, 7, 8), opts, extra=split)
+            return _gather_dw_plan(meta, cfg, with_bias, T, x.stride(), dy.stride(0), dev)
 
         built: dict = {}
 
