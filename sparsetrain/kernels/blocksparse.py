@@ -282,8 +282,9 @@ _THREAD = threading.local()
 TMA_HOST_DESC = os.environ.get("SPARSETRAIN_TMA_HOST_DESC", "0") == "1"
 # Under CUDA-graph capture the TMA kernels take host-made descriptors whatever TMA_HOST_DESC says
 # (SPARSETRAIN_TMA_HOST_DESC_GRAPHS=0: they follow TMA_HOST_DESC). Encoding them costs host time at every eager
-# launch, but a graph pays it once at capture, and the kernels run faster with them (docs/blocksparse.md, rounds
-# 6 and 7). The descriptors hold the operands' addresses, which a captured graph keeps fixed anyway.
+# launch, but a graph pays it once at capture, and the kernels run at least as fast with them (round 7: a replay
+# took 0.181 ms where the eager kernels with device-made ones took 0.184 ms of GPU time; docs/blocksparse.md). The
+# descriptors hold the operands' addresses, which a captured graph keeps fixed anyway.
 TMA_HOST_DESC_IN_GRAPHS = os.environ.get("SPARSETRAIN_TMA_HOST_DESC_GRAPHS", "1") != "0"
 # Offer the TMA kernels to the tuner for the backward products (dX, dW) too (SPARSETRAIN_TMA_BACKWARD=0: the
 # forward only). One early run showed slower eager fwd+bwd wall times with them at 10% density; a later run of
@@ -767,7 +768,6 @@ def _sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
                      with_bias, dev)
     plan = _plans(meta).get(pkey)
     if plan is None:
-
         B = meta.block
 
         def make_plan(cfg: DwConfig | CudaDwConfig | TmaDwConfig | DenseConfig
