@@ -877,3 +877,14 @@ def test_cached_plans_keep_no_call_tensors(kind):
     gc.collect()
     assert len(meta._groups["plans"]) == 3  # the plans were cached ...
     assert [r() is None for r in refs] == [True] * len(refs)  # ... and hold none of the steps' tensors
+
+
+def test_dense_fallback_is_offered_on_cuda_unless_turned_off(monkeypatch):
+    """The tuner's candidate lists get the dense fallback for CUDA tensors only, and not with
+    SPARSETRAIN_DENSE_FALLBACK=0 (DENSE_FALLBACK False)."""
+    cpu = torch.empty(2, 2)
+    cuda_like = torch.empty(2, 2, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type in ("cuda", "meta")))
+    assert bs._dense_candidates(cpu) == [] and bs._dense_candidates(cuda_like) == [bs.DenseConfig()]
+    monkeypatch.setattr(bs, "DENSE_FALLBACK", False)
+    assert bs._dense_candidates(cuda_like) == []

@@ -444,8 +444,12 @@ class DenseConfig(NamedTuple):
     instead. Parameters and optimizer state stay compressed; only the step's transient buffers are dense."""
 
 
+# Offer the dense fallback to the tuner (SPARSETRAIN_DENSE_FALLBACK=0: only the block kernels, e.g. to time them).
+DENSE_FALLBACK = os.environ.get("SPARSETRAIN_DENSE_FALLBACK", "1") != "0"
+
+
 def _dense_candidates(t: Tensor) -> list[DenseConfig]:
-    return [DenseConfig()] if t.is_cuda else []
+    return [DenseConfig()] if t.is_cuda and DENSE_FALLBACK else []
 
 
 def _block_index(meta: BlockSparseMeta) -> tuple[Tensor, Tensor]:
