@@ -452,19 +452,6 @@ def _dense_candidates(t: Tensor) -> list[DenseConfig]:
     return [DenseConfig()] if t.is_cuda and DENSE_FALLBACK else []
 
 
-def _block_index(meta: BlockSparseMeta) -> tuple[Tensor, Tensor]:
-    key = ("block_index",)
-    if key not in meta._groups:
-        meta._groups[key] = (meta.row_idx.long(), meta.col_idx.long())
-    return meta._groups[key]
-
-
-def _blocks_view(w: Tensor, meta: BlockSparseMeta) -> Tensor:
-    """``w [O, I]`` as ``[R, C, br, bc]`` (a view: indexing it reads or writes ``w``'s blocks)."""
-    R, C = meta.grid
-    return w.view(R, meta.block_rows, C, meta.block_cols).permute(0, 2, 1, 3)
-
-
 class _DenseDdsPlan:
     """:class:`DenseConfig` for the forward / input gradient (called like the kernel plans)."""
 
@@ -475,9 +462,7 @@ class _DenseDdsPlan:
         self.extra = (meta.grid[0] if forward else meta.grid[1]) * meta.block
 
     def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
-        meta = self.meta
-        w = torch.zeros(meta.out_features, meta.in_features, dtype=a.dtype, device=a.device)
-        _blocks_view(w, meta)[_block_index(meta)] = values.to(a.dtype)
+        w = values_to_dense(values.to(a.dtype), self.meta)
         if not self.forward:
             torch.mm(a, w, out=out)
         elif self.has_bias:
@@ -505,7 +490,7 @@ class _DenseDwPlan:
             g = torch.mm(dy.t(), x, out_dtype=torch.float32)
         else:
             g = torch.mm(dy.t(), x)
-        dv.copy_(_blocks_view(g, self.meta)[_block_index(self.meta)])
+        dv.copy_(dense_to_values(g, self.meta))
         if self.with_bias:
             torch.sum(dy, 0, dtype=torch.float32, out=db)
 

@@ -26,21 +26,30 @@ if TYPE_CHECKING:  # pragma: no cover
     from sparsetrain.kernels.blocksparse import BlockSparseMeta
 
 
+def block_index(meta: BlockSparseMeta) -> tuple[Tensor, Tensor]:
+    """``(row_idx, col_idx)`` of the active blocks as int64 index tensors (cached on the metadata)."""
+    key = ("block_index",)
+    if key not in meta._groups:
+        meta._groups[key] = (meta.row_idx.long(), meta.col_idx.long())
+    return meta._groups[key]
+
+
+def _blocks(weight: Tensor, meta: BlockSparseMeta) -> Tensor:
+    """``weight [O, I]`` as ``[R, C, br, bc]`` (a view when ``weight`` is contiguous)."""
+    R, C = meta.grid
+    return weight.reshape(R, meta.block_rows, C, meta.block_cols).permute(0, 2, 1, 3)
+
+
 def values_to_dense(values: Tensor, meta: BlockSparseMeta) -> Tensor:
     """Scatter the active blocks into a dense ``[O, I]`` weight (zeros elsewhere). Differentiable."""
-    br, bc = meta.block_rows, meta.block_cols
-    R, C = meta.grid
-    grid = values.new_zeros(R, C, br, bc)
-    grid = grid.index_put((meta.row_idx.long(), meta.col_idx.long()), values)
-    return grid.permute(0, 2, 1, 3).reshape(meta.out_features, meta.in_features)
+    w = values.new_zeros(meta.out_features, meta.in_features)
+    _blocks(w, meta)[block_index(meta)] = values
+    return w
 
 
 def dense_to_values(weight: Tensor, meta: BlockSparseMeta) -> Tensor:
     """Gather the active blocks of a dense ``[O, I]`` tensor into ``[n_blocks, br, bc]`` (slot order)."""
-    br, bc = meta.block_rows, meta.block_cols
-    R, C = meta.grid
-    grid = weight.reshape(R, br, C, bc).permute(0, 2, 1, 3)
-    return grid[meta.row_idx.long(), meta.col_idx.long()]
+    return _blocks(weight, meta)[block_index(meta)]
 
 
 def reference_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None = None) -> Tensor:
