@@ -311,6 +311,7 @@ def sec_bert(args) -> dict:
     from sparsetrain.nn import SparseLinear
 
     out = {}
+    seen: set[str] = set()
     B, S = 64, 128
     kinds = ["dense"] + [f"block{b}_d0.1" for b in (int(v) for v in args.bert_blocks.split(","))]
     for kind in kinds:
@@ -368,8 +369,14 @@ def sec_bert(args) -> dict:
             say(f"bert {kind} profile: {total:.2f} ms of kernels per step; top kernels (ms/step):")
             for e in rows[:12]:
                 say(f"    {getattr(e, attr) / 2e3:7.3f}  {e.count // 2:4d}x  {e.key[:90]}")
+        fallback = [r for r in bs.dense_fallback_report() if r["key"] not in seen]
+        seen.update(r["key"] for r in fallback)
         out[kind] = {"step_ms": ms, "tokens_per_s": B * S / (ms * 1e-3), "peak_bytes": peak,
-                     "loss": loss.item(), "swapped_linears": n_swapped, **st}
+                     "loss": loss.item(), "swapped_linears": n_swapped, **st, "dense_fallback": fallback}
+        if fallback:
+            say(f"bert {kind}: dense fallback chosen for {sum(r['chosen'] == 'dense' for r in fallback)} of "
+                f"{len(fallback)} tuned products; largest kernel/dense GPU-time ratio "
+                f"{max(r['kernel_ms'] / r['dense_ms'] for r in fallback):.2f}")
         say(f"bert {kind}: {ms:.2f} ms/step, {B * S / (ms * 1e-3):,.0f} tok/s, peak {peak / 2**30:.2f} GiB, "
             f"params+adam {st['total'] / 2**20:.0f} MiB, loss {loss.item():.3f}, swapped {n_swapped}")
         del model, opt, step

@@ -888,3 +888,16 @@ def test_dense_fallback_is_offered_on_cuda_unless_turned_off(monkeypatch):
     assert bs._dense_candidates(cpu) == [] and bs._dense_candidates(cuda_like) == [bs.DenseConfig()]
     monkeypatch.setattr(bs, "DENSE_FALLBACK", False)
     assert bs._dense_candidates(cuda_like) == []
+
+
+def test_tuner_takes_the_dense_fallback_only_by_a_margin():
+    """The tuner times GPU time only; the dense fallback also costs host work, so it must beat the best block
+    kernel by DENSE_MARGIN to be chosen. Among block kernels the fastest wins."""
+    a, b = bs.DdsConfig(64, 1, 1, 4, 2), bs.DdsConfig(128, 1, 1, 4, 2)
+    dense = bs.DenseConfig()
+    near = bs.DENSE_MARGIN * 1.0 + 0.01  # dense a little faster than the best kernel, not by the margin
+    assert bs._choose([(a, 1.2), (b, 1.0), (dense, near)]) == b
+    assert bs._choose([(dense, near), (a, 1.0)]) == a
+    assert bs._choose([(a, 1.0), (dense, bs.DENSE_MARGIN - 0.01)]) == dense
+    assert bs._choose([(dense, 5.0)]) == dense
+    assert bs._choose([(a, 0.9), (b, 1.0)]) == a

@@ -414,3 +414,115 @@ def test_gpu_pair_kernel_empty_and_dense_tiles():
         assert torch.equal(sp.compress_pair(wd).to_dense(), wd)
     x = torch.randn(100, 1024, device="cuda").half()  # > 64 tokens: decode + cuBLAS
     assert _rel_err(spmm_infer(x, c), spmm_reference(x, c)) < 2e-3
+
+
+# ---------------------------------------------------------------- row-per-lane steps (spmm_ell)
+from sparsetrain.kernels import spmm_ell as se  # noqa: E402
+
+
+def _ell_steps(c):
+    """Per step: (instance, lane mask, [(lane, column in window)]) read back from the stored tensors."""
+    out = []
+    so, eo = c.step_offsets.tolist(), c.entry_offsets.tolist()
+    masks = [m & 0xFFFFFFFF for m in c.masks.tolist()]
+    cols = c.cols.tolist()
+    for inst in range(len(so) - 1):
+        e = eo[inst]
+        for s in range(so[inst], so[inst + 1]):
+            lanes = [lane for lane in range(32) if masks[s] >> lane & 1]
+            out.append((inst, masks[s], [(lane, cols[e + i]) for i, lane in enumerate(lanes)]))
+            e += len(lanes)
+        assert e == eo[inst + 1], inst  # the masks account for exactly the instance's values
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(70, 300), (32, 256), (33, 257), (130, 520)])
+@pytest.mark.parametrize("sparsity", [0.0, 0.9, 1.0])
+def test_ell_round_trip_is_exact_and_steps_hold_whole_columns(dtype, shape, sparsity):
+    w = _sparse(*shape, sparsity, dtype)
+    c = compress(w, fmt="ell")
+    assert isinstance(c, se.EllWeight) and c.fmt == "ell" and c.nnz == int((w != 0).sum())
+    assert torch.equal(c.to_dense(), w)
+    assert c.step_offsets.dtype == c.entry_offsets.dtype == torch.int32 and c.cols.dtype == torch.uint8
+    assert (c.step_offsets % se.STEP_ALIGN == 0).all()
+    assert torch.equal(c.masks[int(c.step_offsets[-1]):], c.masks.new_zeros(8))  # the kernel's read-ahead
+    seen = {}
+    for inst, _, entries in _ell_steps(c):
+        for lane, col in entries:  # a column lives in exactly one step of its instance
+            assert seen.setdefault((inst, col), id(entries)) == id(entries), (inst, col)
+
+
+def test_ell_by_hand():
+    w = torch.zeros(40, 300)
+    w[0, 5] = 1.0      # column 5: lanes 0 and 31 -> one step
+    w[31, 5] = 2.0     # lane 31: the int32 sign bit
+    w[0, 7] = 3.0      # lane 0 again: a second step
+    w[33, 260] = 4.0   # row group 1, window 1, lane 1, column byte 4
+    c = se.compress_ell(w)
+    assert c.grid == (2, 2)
+    steps = [(inst, mask, entries) for inst, mask, entries in _ell_steps(c) if mask]
+    assert steps == [(0, 0x80000001, [(0, 5), (31, 5)]), (0, 1, [(0, 7)]), (3, 2, [(1, 4)])]
+    assert c.values.tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert c.step_offsets.tolist() == [0, 4, 4, 4, 8] and c.entry_offsets.tolist() == [0, 3, 3, 3, 4]
+
+
+def test_ell_bytes_at_90_percent_are_within_the_bitmap_bound():
+    torch.manual_seed(0)
+    w = _sparse(512, 2048, 0.9, torch.float16)
+    c = compress(w, fmt="ell")
+    assert c.nbytes() / w.numel() < 0.125 + 2 * 0.1  # 0.325 B/elem
+
+
+def test_spmm_infer_with_ell_weight_matches_reference():
+    w = _sparse(100, 300, 0.8)
+    c = compress(w, fmt="ell")
+    x = torch.randn(2, 5, 300)
+    b = torch.randn(100)
+    torch.testing.assert_close(spmm_infer(x, c, b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_ell_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="weight"):
+        se.compress_ell(torch.zeros(3))
+    with pytest.raises(TypeError, match="dtype"):
+        se.compress_ell(torch.zeros(4, 4, dtype=torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(4096, 4160), (1000, 3001), (384, 200)])
+@pytest.mark.parametrize("sparsity", [0.5, 0.95])
+def test_gpu_ell_kernel_matches_reference(dtype, m, k, sparsity):
+    w = _sparse(m, k, sparsity, dtype, "cuda")
+    c = se.compress_ell(w)
+    assert torch.equal(c.to_dense(), w)
+    assert se.cuda_usable(torch.zeros(1, k, device="cuda", dtype=dtype), c)
+    bias = torch.randn(m, device="cuda").to(dtype)
+    tol = 2e-3 if dtype == torch.float16 else 1e-2
+    for n in (1, 5, 8, 9, 13, 16):
+        x = torch.randn(n, k, device="cuda").to(dtype)
+        ref = spmm_reference(x, c, bias)
+        for split in (None, 1, 3):
+            for _ in range(2):  # the second call checks the split-K workspace came back to zero
+                assert _rel_err(se.spmm_ell_cuda(x, c, bias, split_k=split), ref) < tol, (n, split)
+        xv = torch.randn(n, k + 3, device="cuda").to(dtype)[:, 1:k + 1]
+        assert _rel_err(se.spmm_ell_cuda(xv, c), spmm_reference(xv, c)) < tol
+        xt = _nan_tail_view(n, k, dtype)
+        assert _rel_err(se.spmm_ell_cuda(xt, c), spmm_reference(xt, c)) < tol
+    for n in (33, 64, 100):  # spmm_infer: 16 tokens per launch up to 64, expand + cuBLAS above
+        x = torch.randn(n, k, device="cuda").to(dtype)
+        assert _rel_err(spmm_infer(x, c, bias), spmm_reference(x, c, bias)) < tol, n
+
+
+@pytest.mark.gpu
+def test_gpu_ell_kernel_empty_and_dense_instances():
+    w = _sparse(1024, 1024, 0.95, torch.float16, "cuda")
+    w[:64] = 0                                                    # empty row groups
+    w[:, -256:] = 0                                               # an empty window
+    w[64:96, :256] = torch.randn(32, 256, device="cuda").half()   # a fully dense instance (256 steps)
+    c = se.compress_ell(w)
+    assert torch.equal(c.to_dense(), w)
+    for n in (3, 16):
+        x = torch.randn(n, 1024, device="cuda").half()
+        assert _rel_err(se.spmm_ell_cuda(x, c), spmm_reference(x, c)) < 2e-3

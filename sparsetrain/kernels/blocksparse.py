@@ -358,6 +358,7 @@ def _tma_candidates(a: Tensor, values: Tensor, B: int, forward: bool) -> list[Tm
     return list(_TMA_CANDIDATES.get(B, []))
 
 _TUNED: dict[tuple, NamedTuple] = {}
+_TIMED: dict[tuple, list[tuple[str, float]]] = {}  # the tuner's timings per key (benchmark reports)
 _FORCED: dict[str, NamedTuple] = {}
 # Tests and the benchmark set this to fill kernel outputs with NaN first, so an unwritten element shows.
 POISON_OUTPUTS = False
@@ -387,6 +388,19 @@ def tuned_configs() -> dict[str, str]:
     return {repr(k): repr(v) for k, v in _TUNED.items()}
 
 
+def dense_fallback_report() -> list[dict]:
+    """Per tuned product: the best block kernel's and the dense fallback's GPU time and which was chosen (for
+    benchmark reports)."""
+    rows = []
+    for key, timed in _TIMED.items():
+        dense = [ms for cfg, ms in timed if cfg.startswith("DenseConfig")]
+        kernels = [ms for cfg, ms in timed if not cfg.startswith("DenseConfig")]
+        if dense and kernels:
+            rows.append({"key": repr(key), "kernel_ms": min(kernels), "dense_ms": min(dense),
+                         "chosen": "dense" if isinstance(_TUNED[key], DenseConfig) else "kernel"})
+    return rows
+
+
 def _density_bucket(meta: BlockSparseMeta) -> int:
     # half-octave buckets: 1.0 -> 0, 0.5 -> 2, 0.25 -> 4, 0.1 -> 7
     return min(16, round(-2 * math.log2(max(meta.density, 1e-6))))
@@ -406,18 +420,37 @@ def _pick(kind: str, key: tuple, device: torch.device, candidates: list, interp:
         return candidates[0]
     from triton.testing import do_bench
 
-    best, best_ms = None, float("inf")
+    timed = []
     for cfg in candidates:
         try:
-            ms = do_bench(lambda c=cfg: launch(c), warmup=5, rep=20, return_mode="median")
+            timed.append((cfg, do_bench(lambda c=cfg: launch(c), warmup=5, rep=20, return_mode="median")))
         except Exception:  # noqa: BLE001, S112 - e.g. out of shared memory for this tile: try the next
             continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    if best is None:
+    if not timed:
         raise RuntimeError(f"no {kind} kernel configuration could run for {key}")
+    best = _choose(timed)
     _TUNED[full] = best
+    _TIMED[full] = [(repr(cfg), ms) for cfg, ms in timed]
     return best
+
+
+# The dense fallback must beat the best block kernel by this factor of GPU time to be chosen: the tuner times GPU
+# time only, while the fallback's scatter/gather also costs host work (allocations, index ops) that an eager
+# training step pays. SPARSETRAIN_DENSE_MARGIN=1 takes the plain fastest (docs/blocksparse.md, round 8).
+DENSE_MARGIN = float(os.environ.get("SPARSETRAIN_DENSE_MARGIN", "0.85"))
+
+
+def _choose(timed: list[tuple[NamedTuple, float]]) -> NamedTuple:
+    """The fastest of ``(config, ms)``; the dense fallback only if it beats the best block kernel by
+    :data:`DENSE_MARGIN`."""
+    kernels = [(ms, i) for i, (cfg, ms) in enumerate(timed) if not isinstance(cfg, DenseConfig)]
+    dense = [(ms, i) for i, (cfg, ms) in enumerate(timed) if isinstance(cfg, DenseConfig)]
+    if not kernels:
+        return timed[min(dense)[1]][0]
+    best_ms, best_i = min(kernels)
+    if dense and min(dense)[0] < DENSE_MARGIN * best_ms:
+        return timed[min(dense)[1]][0]
+    return timed[best_i][0]
 
 
 def _choose_split(n_groups: int, T: int, block_t: int, device: torch.device) -> int:
