@@ -311,7 +311,7 @@ def sec_bert(args) -> dict:
     from sparsetrain.nn import SparseLinear
 
     out = {}
-    seen: set[str] = set()
+    seen = {r["key"] for r in bs.dense_fallback_report()}  # products tuned by earlier sections are not this one's
     B, S = 64, 128
     kinds = ["dense"] + [f"block{b}_d0.1" for b in (int(v) for v in args.bert_blocks.split(","))]
     for kind in kinds:

@@ -1,23 +1,25 @@
 """Row-per-lane steps ("ell"): the inference format for very sparse weights decoded on CUDA cores.
 
 ``W [M, K]`` is cut into *instances* of 32 rows (one warp, one row per lane) by 256 columns (a *window*: a
-column fits one byte). Inside an instance the nonzeros are grouped into *steps*. A step holds at most one
-nonzero per row (lane), and whole columns: every nonzero of a column sits in the same step. A step is stored
-as a 32-bit mask of its lanes, and its nonzeros as (value, column byte) pairs in lane order. Steps come from a
-first-fit packing of the window's columns, the fullest first (:func:`compress_ell`). Each instance's step
-count is padded with empty steps to a multiple of 4 (the kernel reads four masks with one 16-byte load).
+column fits one byte). Inside an instance the nonzeros are grouped into *steps*. A step has one slot per row
+(lane) and holds whole columns: every nonzero of a column sits in the same step. Steps come from a first-fit
+packing of the window's columns, the fullest first (:func:`compress_ell`). Steps are stored in *groups* of 4:
+per lane its 4 slots' values (8 bytes) and column bytes (4 bytes), lane after lane, so a warp reads a group
+with two coalesced loads and no index arithmetic. An idle slot holds value 0 (and column 0). Each instance's
+step count is padded to a multiple of 4.
 
-Bytes per element: ``3 (1 - s)`` for the nonzeros, plus 4 bytes per step and 8 per instance. At 90% a
-32 x 256 instance has ~26 nonzeros per row and needs ~36-44 steps: ~0.32 B/elem, inside the bitmap bound
-``0.125 + 2 (1 - s)`` (0.325).
+Bytes per element: ``96 / 8192`` per step of a 32 x 256 instance (3 bytes per slot) plus 4 bytes per
+instance. At 90% sparsity a random instance has ~26 nonzeros per row and ~41-44 steps: ~0.5 B/elem (the
+pair bitmap stores 0.47, dense 2).
 
 Why it exists: the tensor-core kernels expand every weight element (bitmap, pair) or a dense shared-memory
-tile (CSL) before the ``mma``, so their work grows with the elements, not the nonzeros, and their shared
-memory traffic is ~4 bytes per element. Here each lane owns one output row and the kernel
-(``csrc/spmm_ell.cu``) does work per nonzero: per step a lane reads its nonzero, fetches that column of X
-(16 tokens) from shared memory and does 8 packed half2 FMAs. Because a step holds whole columns, lanes that
-share a column read the same shared-memory address (a broadcast), so a step touches ~10 distinct columns at
-90% instead of 32.
+tile (CSL) before the ``mma``, so their instructions grow with the elements, not the nonzeros. Here each lane
+owns one output row and the kernel (``csrc/spmm_ell.cu``) works per step: per step a lane fetches its column
+of X (16 tokens) from shared memory and does 8 packed half2 FMAs. Because a step holds whole columns, lanes
+that share a column read the same shared-memory address (a broadcast), so a step touches ~10 distinct columns
+at 90% instead of 32. A first version stored only the nonzeros (a lane mask per step, values located by a
+popcount): fewer bytes (0.32 B/elem at 90%) but each group's loads waited on its mask, and it measured
+0.83-0.95x of dense at N = 16 on an H200 (docs/inference.md, round 7).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from sparsetrain.kernels.spmm_csl import CompressedWeight
 
 LANES = 32  # rows per instance (one warp)
 WINDOW = 256  # columns per instance (one-byte column index)
-STEP_ALIGN = 4  # steps per 16-byte mask load
+GROUP = 4  # steps per group (a lane's 8-byte value load and 4-byte column load)
 MAX_TOKENS = 16  # the kernel holds 16 tokens per lane
 
 
@@ -41,25 +43,26 @@ class EllWeight(CompressedWeight):
     """A weight ``[M, K]`` in the row-per-lane step format (see the module docstring).
 
     Attributes:
-        masks: int32 ``[S + 8]``: each step's lanes (bit ``l``: row ``32 g + l``), instance by instance (row
-            group major, window minor); 8 trailing zeros let the kernel read ahead.
-        values: the nonzeros, step by step, lane order inside a step.
-        cols: uint8, one per value: its column inside the window.
-        step_offsets: int32 ``[G * W + 1]``: each instance's first step (a multiple of 4).
-        entry_offsets: int32 ``[G * W + 1]``: each instance's first value.
+        values: ``[Q * 32 * 4]``: group ``q``, lane ``l``, slot ``u`` at ``(32 q + l) * 4 + u``; 0 where idle.
+            Groups are stored instance by instance (row group major, window minor).
+        cols: uint8, the same layout: each slot's column inside its window.
+        group_offsets: int32 ``[G * W + 1]``: each instance's first group.
         shape: ``(M, K)``.
     """
 
-    masks: Tensor
     values: Tensor
     cols: Tensor
-    step_offsets: Tensor
-    entry_offsets: Tensor
+    group_offsets: Tensor
     shape: tuple[int, int]
     block_m: int = LANES
     fmt: str = "ell"
 
-    TENSORS: ClassVar[tuple[str, ...]] = ("masks", "values", "cols", "step_offsets", "entry_offsets")
+    TENSORS: ClassVar[tuple[str, ...]] = ("values", "cols", "group_offsets")
+
+    @property
+    def nnz(self) -> int:
+        """Nonzero weights (the slots holding a nonzero value; one device sync)."""
+        return int((self.values != 0).sum())
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -73,15 +76,13 @@ class EllWeight(CompressedWeight):
     def _to_dense_torch(self) -> Tensor:
         m, k = self.shape
         n_groups, n_win = self.grid
-        n_steps = int(self.step_offsets[-1])
-        masks = self.masks[:n_steps].long() & 0xFFFFFFFF
-        bits = (masks.unsqueeze(1) >> torch.arange(LANES, device=masks.device)) & 1  # [S, 32]
-        step, lane = bits.nonzero(as_tuple=True)  # step-major, lanes ascending: the values' order
-        inst = torch.searchsorted(self.step_offsets.long(), step, right=True) - 1
+        slot = (self.values != 0).nonzero(as_tuple=True)[0]
+        q, lane = slot // (LANES * GROUP), slot // GROUP % LANES
+        inst = torch.searchsorted(self.group_offsets.long(), q, right=True) - 1
         rows = (inst // n_win) * LANES + lane
-        cols = (inst % n_win) * WINDOW + self.cols.long()
+        cols = (inst % n_win) * WINDOW + self.cols[slot].long()
         dense = torch.zeros(n_groups * LANES, n_win * WINDOW, dtype=self.dtype, device=self.device)
-        dense[rows, cols] = self.values
+        dense[rows, cols] = self.values[slot]
         return dense[:m, :k].contiguous()
 
 
@@ -118,7 +119,7 @@ def _first_fit(colmask: Tensor) -> tuple[Tensor, Tensor]:
 
 def compress_ell(weight: Tensor) -> EllWeight:
     """Builds the row-per-lane step format of a 2-D float weight on its own device (see the module docstring;
-    on a GPU a 28672 x 7168 weight takes well under a second)."""
+    exact zeros are dropped)."""
     if not isinstance(weight, Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', type(weight))}")
     if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -135,29 +136,22 @@ def compress_ell(weight: Tensor) -> EllWeight:
     busy, step_of = _first_fit(colmask)
 
     used = (busy != 0).sum(1)  # steps are used as a prefix
-    padded_steps = (used + STEP_ALIGN - 1) // STEP_ALIGN * STEP_ALIGN
-    step_offsets = torch.zeros(colmask.shape[0] + 1, dtype=torch.int64, device=dev)
-    step_offsets[1:] = torch.cumsum(padded_steps, 0)
-    keep = torch.arange(busy.shape[1], device=dev) < padded_steps.unsqueeze(1)
-    if busy.shape[1] < (int(padded_steps.max()) if padded_steps.numel() else 0):
-        busy = torch.cat([busy, torch.zeros(busy.shape[0], STEP_ALIGN, dtype=busy.dtype, device=dev)], 1)
-        keep = torch.arange(busy.shape[1], device=dev) < padded_steps.unsqueeze(1)
-    masks = busy[keep]
-    masks = torch.where(masks >= 2**31, masks - 2**32, masks).to(torch.int32)
-    masks = torch.cat([masks, masks.new_zeros(8)])
+    groups = (used + GROUP - 1) // GROUP
+    group_offsets = torch.zeros(colmask.shape[0] + 1, dtype=torch.int64, device=dev)
+    group_offsets[1:] = torch.cumsum(groups, 0)
+    n_slots = int(group_offsets[-1]) * LANES * GROUP
+    if n_slots >= 2**31:
+        raise ValueError(f"weight needs {n_slots} slots; the int32 offsets allow < 2**31")
 
     g, w, c, lane = (inst_view != 0).nonzero(as_tuple=True)
     inst = g * n_win + w
-    step = step_of[inst, c]
-    order = torch.argsort((inst * busy.shape[1] + step) * LANES + lane)
-    values = padded[(g * LANES + lane)[order], (w * WINDOW + c)[order]]
-    if values.numel() >= 2**31 or int(step_offsets[-1]) >= 2**31:
-        raise ValueError(f"weight has {values.numel()} nonzeros; the int32 offsets allow < 2**31")
-    per_inst = torch.bincount(inst, minlength=colmask.shape[0])
-    entry_offsets = torch.zeros(colmask.shape[0] + 1, dtype=torch.int64, device=dev)
-    entry_offsets[1:] = torch.cumsum(per_inst, 0)
-    return EllWeight(masks.contiguous(), values.contiguous(), c[order].to(torch.uint8).contiguous(),
-                     step_offsets.to(torch.int32), entry_offsets.to(torch.int32), (m, k))
+    step = group_offsets[inst] * GROUP + step_of[inst, c]  # the instance's steps, counted globally
+    slot = ((step // GROUP) * LANES + lane) * GROUP + step % GROUP
+    values = torch.zeros(n_slots, dtype=weight.dtype, device=dev)
+    cols = torch.zeros(n_slots, dtype=torch.uint8, device=dev)
+    values[slot] = padded[g * LANES + lane, w * WINDOW + c]
+    cols[slot] = c.to(torch.uint8)
+    return EllWeight(values, cols, group_offsets.to(torch.int32), (m, k))
 
 
 def ell_bytes(weight: EllWeight) -> int:
@@ -186,10 +180,10 @@ def split_for(weight: EllWeight, device: torch.device, split_k: int | None = Non
 
 
 def cuda_usable(x2: Tensor, weight: EllWeight) -> bool:
-    """Whether :func:`spmm_ell_cuda` takes this call: CUDA, fp16/bf16 as the weight, 1..16 tokens, the library
-    built."""
+    """Whether :func:`spmm_ell_cuda` takes this call: CUDA, fp16/bf16 as the weight, 1..16 tokens, the weight's
+    values 8-byte and columns 4-byte aligned (fresh allocations are), the library built."""
     if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or x2.dtype != weight.dtype
-            or not 1 <= x2.shape[0] <= MAX_TOKENS or weight.masks.data_ptr() % 16):
+            or not 1 <= x2.shape[0] <= MAX_TOKENS or weight.values.data_ptr() % 8 or weight.cols.data_ptr() % 4):
         return False
     from sparsetrain.kernels import _cuda
     return _cuda.load("spmm_ell", x2.device) is not None
@@ -220,11 +214,13 @@ def spmm_ell_cuda(x2: Tensor, weight: EllWeight, bias: Tensor | None = None, spl
     ws, locks = _launch.workspace(x2.device, _launch.MAX_TOKENS * m, grid_m, stream) if split > 1 else (y, y)
     if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
         bias = bias.to(x2.dtype).contiguous()
+    if weight.values.data_ptr() % 8 or weight.cols.data_ptr() % 4:
+        raise ValueError("spmm_ell: the weight's values must be 8-byte and its columns 4-byte aligned (tensors made "
+                         "by compress or .to() are)")
     rc = so.sparsetrain_spmm_ell(
-        x2.data_ptr(), weight.masks.data_ptr(), weight.values.data_ptr(), weight.cols.data_ptr(),
-        weight.step_offsets.data_ptr(), weight.entry_offsets.data_ptr(), bias.data_ptr() if bias is not None else 0,
-        y.data_ptr(), ws.data_ptr(), locks.data_ptr(), n, m, k, x2.stride(0), y.stride(0), n_groups, n_win, wins,
-        split, int(x2.dtype == torch.bfloat16), stream)
+        x2.data_ptr(), weight.values.data_ptr(), weight.cols.data_ptr(), weight.group_offsets.data_ptr(),
+        bias.data_ptr() if bias is not None else 0, y.data_ptr(), ws.data_ptr(), locks.data_ptr(), n, m, k,
+        x2.stride(0), y.stride(0), n_groups, n_win, wins, split, int(x2.dtype == torch.bfloat16), stream)
     if rc != 0:
         raise RuntimeError(f"spmm_ell CUDA launch failed with code {rc}")
     return y
