@@ -24,7 +24,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsetrain.kernels import spmm_csl as sc  # noqa: E402
-from sparsetrain.kernels import spmm_ell as se  # noqa: E402
 from sparsetrain.kernels import spmm_infer as si  # noqa: E402
 from sparsetrain.kernels import spmm_pair as sp  # noqa: E402
 
@@ -97,12 +96,8 @@ def check(cw, dtype, n, bias=True) -> float:
     return rel_err(y, si.spmm_reference(x, cw, b))
 
 
-ALL_FORMATS = ("triton", "bitmap", "csl", "pair", "ell")
-SPEEDUP_KEYS = (("bitmap", "speedup"), ("csl", "csl_speedup"), ("pair", "pair_speedup"), ("ell", "ell_speedup"))
-
-
-def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16, formats=ALL_FORMATS):
-    """All timings for one (shape, sparsity): dense, CSR and ours at each N (the kernels named in ``formats``)."""
+def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
+    """All timings for one (shape, sparsity): dense, CSR and ours at each N."""
     w = random_sparse(m, k, s, dtype)
     t0 = time.perf_counter()
     cw = si.compress(w)
@@ -114,64 +109,48 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16, 
     ours_copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
     csr = w.to_sparse_csr() if with_csr and DEV == "cuda" else None
     rows = []
-    cuda_ok = "bitmap" in formats and DEV == "cuda" and si.cuda_kernel_usable(
-        torch.zeros(1, k, device=DEV, dtype=dtype), cw)
+    cuda_ok = DEV == "cuda" and si.cuda_kernel_usable(torch.zeros(1, k, device=DEV, dtype=dtype), cw)
     csl = sc.compress_csl(w)
-    csl_ok = "csl" in formats and DEV == "cuda" and sc.cuda_usable(torch.zeros(1, k, device=DEV, dtype=dtype), csl)
+    csl_ok = DEV == "cuda" and sc.cuda_usable(torch.zeros(1, k, device=DEV, dtype=dtype), csl)
     csl_copies = ([csl] + [sc.CslWeight.from_tensors({a: b.clone() for a, b in csl.tensors().items()}, csl.shape)
                            for _ in range(n_copies(csl.nbytes()) - 1)]) if csl_ok else []
     pair = sp.compress_pair(w)
-    pair_ok = "pair" in formats and DEV == "cuda" and sp.cuda_usable(torch.zeros(1, k, device=DEV, dtype=dtype), pair)
+    pair_ok = DEV == "cuda" and sp.cuda_usable(torch.zeros(1, k, device=DEV, dtype=dtype), pair)
     pair_copies = ([pair] + [clone_weight(pair) for _ in range(n_copies(pair.nbytes()) - 1)]) if pair_ok else []
-    t0 = time.perf_counter()
-    ell = se.compress_ell(w)
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-    ell_compress_s = time.perf_counter() - t0
-    ell_ok = "ell" in formats and DEV == "cuda" and se.cuda_usable(torch.zeros(1, k, device=DEV, dtype=dtype), ell)
-    ell_copies = ([ell] + [clone_weight(ell) for _ in range(n_copies(ell.nbytes()) - 1)]) if ell_ok else []
     for n in tokens:
         x = torch.randn(n, k, device=DEV, dtype=dtype)
         ref = si.spmm_reference(x, cw)
-        triton_ok = "triton" in formats
-        err_t = rel_err(si.spmm_triton(x, cw, config=config), ref) if triton_ok else None
+        err_t = rel_err(si.spmm_triton(x, cw, config=config), ref)
         err_c = rel_err(si.spmm_cuda(x, cw), ref) if cuda_ok else None
         t_dense = bench(Rotating(dense_copies, lambda wt, x=x: F.linear(x, wt)))
-        t_triton = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_triton(x, c, config=config))) if triton_ok else None
+        t_triton = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_triton(x, c, config=config)))
         t_cuda = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_cuda(x, c))) if cuda_ok else None
-        t_ours = t_cuda if t_cuda is not None else t_triton  # the bitmap format (None when neither was timed)
+        t_ours = t_cuda if t_cuda is not None else t_triton
         err_csl = rel_err(sc.spmm_csl_cuda(x, csl), ref) if csl_ok else None
         t_csl = bench(Rotating(csl_copies, lambda c, x=x: sc.spmm_csl_cuda(x, c))) if csl_ok else None
         err_pair = rel_err(sp.spmm_pair_cuda(x, pair), ref) if pair_ok else None
         t_pair = bench(Rotating(pair_copies, lambda c, x=x: sp.spmm_pair_cuda(x, c))) if pair_ok else None
-        ell_fn = se.spmm_ell_chunked
-        err_ell = rel_err(ell_fn(x, ell), ref) if ell_ok else None
-        t_ell = bench(Rotating(ell_copies, lambda c, x=x: ell_fn(x, c))) if ell_ok else None
         t_csr = None
         if csr is not None:
             xt = x.t().contiguous()
             t_csr = bench(lambda csr=csr, xt=xt: torch.sparse.mm(csr, xt))
         rows.append({"M": m, "K": k, "sparsity": s, "N": n, "dense_ms": t_dense, "ours_ms": t_ours,
-                     "cuda_ms": t_cuda, "triton_ms": t_triton,
-                     "triton_speedup": (t_dense / t_triton) if t_triton else None,
-                     "csr_ms": t_csr, "speedup": (t_dense / t_ours) if t_ours else None,
+                     "cuda_ms": t_cuda, "triton_ms": t_triton, "triton_speedup": t_dense / t_triton,
+                     "csr_ms": t_csr, "speedup": t_dense / t_ours,
                      "csr_speedup": (t_dense / t_csr) if t_csr else None,
                      "rel_err": err_c if err_c is not None else err_t, "rel_err_triton": err_t,
-                     "ours_TBps": (cw.nbytes() / t_ours / 1e9) if t_ours else None, "dense_TBps": w.numel() * 2 / t_dense / 1e9,
+                     "ours_TBps": cw.nbytes() / t_ours / 1e9, "dense_TBps": w.numel() * 2 / t_dense / 1e9,
                      "bytes_per_elem": cw.nbytes() / (m * k), "ideal_bytes_per_elem": 0.125 + 2 * (1 - s),
                      "compress_s": compress_s, "to_dense_exact": exact,
                      "csl_ms": t_csl, "csl_speedup": (t_dense / t_csl) if t_csl else None, "rel_err_csl": err_csl,
                      "csl_bytes_per_elem": csl.nbytes() / (m * k), "csl_exact": bool(torch.equal(csl.to_dense(), w)),
                      "pair_ms": t_pair, "pair_speedup": (t_dense / t_pair) if t_pair else None,
                      "rel_err_pair": err_pair, "pair_bytes_per_elem": pair.nbytes() / (m * k),
-                     "pair_exact": bool(torch.equal(pair.to_dense(), w)),
-                     "ell_ms": t_ell, "ell_speedup": (t_dense / t_ell) if t_ell else None, "rel_err_ell": err_ell,
-                     "ell_bytes_per_elem": ell.nbytes() / (m * k), "ell_exact": bool(torch.equal(ell.to_dense(), w)),
-                     "ell_compress_s": ell_compress_s})
+                     "pair_exact": bool(torch.equal(pair.to_dense(), w))})
     t_decode = bench(Rotating(ours_copies, lambda c: c.to_dense()))
     for r in rows:
         r["decode_to_dense_ms"] = t_decode
-    del dense_copies, ours_copies, csr, csl_copies, pair_copies, ell_copies
+    del dense_copies, ours_copies, csr, csl_copies, pair_copies
     if DEV == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -226,13 +205,6 @@ def correctness() -> list[dict]:
                     for split in (1, 3, None):
                         row[f"rel_err_pair_split{split}"] = rel_err(sp.spmm_pair_cuda(x, pw, b, split_k=split), ref)
                     row["rel_err_pair_view"] = rel_err(sp.spmm_pair_cuda(xs, pw), si.spmm_reference(xs, cw))
-                    ew = se.compress_ell(w)
-                    if n <= se.MAX_TOKENS:
-                        for split in (1, 3, None):
-                            row[f"rel_err_ell_split{split}"] = rel_err(se.spmm_ell_cuda(x, ew, b, split_k=split), ref)
-                        row["rel_err_ell_view"] = rel_err(se.spmm_ell_cuda(xs, ew), si.spmm_reference(xs, cw))
-                    else:
-                        row["rel_err_ell_infer"] = rel_err(si.spmm_infer(x, ew, b), ref)
                 out.append(row)
     return out
 
@@ -380,9 +352,6 @@ def main() -> None:
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 28672x7168,4096x14336")
     ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    ap.add_argument("--formats", default=",".join(ALL_FORMATS),
-                    help="kernels to time beside dense: any of " + ",".join(ALL_FORMATS))
-    ap.add_argument("--no-correctness", action="store_true", help="skip the correctness cases")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.profile:
@@ -406,8 +375,8 @@ def main() -> None:
         return
     info["copy_TBps"] = copy_bandwidth()
     print(json.dumps(info))
-    info["correctness"] = [] if args.no_correctness else correctness()
-    worst = max((v for r in info["correctness"] for key, v in r.items() if key.startswith("rel_err")), default=0.0)
+    info["correctness"] = correctness()
+    worst = max(v for r in info["correctness"] for key, v in r.items() if key.startswith("rel_err"))
     print(f"correctness vs reference ({len(info['correctness'])} cases, fp16/bf16, N=1..64, every kernel): "
           f"worst rel err {worst:.2e}", flush=True)
     if args.cuda_waves:
@@ -422,12 +391,9 @@ def main() -> None:
         name = "bench_inference.json"
         for (m, k) in shapes:
             for s in map(float, args.sparsities.split(",")):
-                rows += run_point(m, k, s, list(map(int, args.tokens.split(","))), with_csr=not args.no_csr,
-                                  formats=tuple(args.formats.split(",")))
+                rows += run_point(m, k, s, list(map(int, args.tokens.split(","))), with_csr=not args.no_csr)
                 r = [x for x in rows if x["M"] == m and x["K"] == k and x["sparsity"] == s]
-                print(f"{m}x{k} s={s}: " + " ".join(
-                    f"N{x['N']}:" + "/".join(f"{f} {x[key]:.2f}x" for f, key in SPEEDUP_KEYS if x.get(key))
-                    for x in r), flush=True)
+                print(f"{m}x{k} s={s}: " + " ".join(f"N{x['N']}:{x['speedup']:.2f}x" for x in r), flush=True)
                 save(args.out, name, info)  # after every point: a run cut short keeps what it measured
     save(args.out, name, info)
     if not args.sweep:
@@ -446,8 +412,6 @@ def print_table(rows) -> None:
           "| ours TB/s | B/elem (ideal) | rel err | CSL ms (vs dense) | CSL B/elem | CSL err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if not r["triton_ms"] or not r["ours_ms"]:
-            continue  # a run that did not time the bitmap kernels (--formats): see the formats table
         csr = f"{r['csr_ms']:.3f}" if r["csr_ms"] else "-"
         csr_x = f"{r['csr_speedup']:.2f}x" if r["csr_speedup"] else "-"
         print(f"| {r['M']}x{r['K']} | {r['sparsity']:.0%} | {r['N']} | {r['dense_ms']:.4f} | {csr} | "
@@ -460,8 +424,8 @@ def print_table(rows) -> None:
 
 def print_formats(rows) -> None:
     """The three compressed formats side by side: speed vs dense cuBLAS and bytes per weight element."""
-    print("\n| M x K | s | N | dense ms | bitmap x (B/elem) | CSL x (B/elem) | pair x (B/elem) | ell x (B/elem) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| M x K | s | N | dense ms | bitmap x (B/elem) | CSL x (B/elem) | pair x (B/elem) |")
+    print("|---|---|---|---|---|---|---|")
 
     def cell(x, b):
         return f"{x:.2f}x ({b:.3f})" if x else f"- ({b:.3f})"
@@ -469,8 +433,7 @@ def print_formats(rows) -> None:
     for r in rows:
         print(f"| {r['M']}x{r['K']} | {r['sparsity']:.0%} | {r['N']} | {r['dense_ms']:.4f} | "
               f"{cell(r['speedup'], r['bytes_per_elem'])} | {cell(r.get('csl_speedup'), r['csl_bytes_per_elem'])} | "
-              f"{cell(r.get('pair_speedup'), r['pair_bytes_per_elem'])} | "
-              f"{cell(r.get('ell_speedup'), r['ell_bytes_per_elem'])} |")
+              f"{cell(r.get('pair_speedup'), r['pair_bytes_per_elem'])} |")
 
 
 if __name__ == "__main__":

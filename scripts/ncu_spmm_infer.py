@@ -1,4 +1,4 @@
-"""One launch of each skinny-SpMM CUDA kernel (bitmap, CSL, pair, ell) on one random unstructured weight, as a target
+"""One launch of each skinny-SpMM CUDA kernel (bitmap, CSL, pair) on one random unstructured weight, as a target
 for Nsight Compute (the kernels are built and the weights compressed before the profiled launches):
 
     python scripts/ncu_spmm_infer.py --sparsity 0.9                      # builds the kernels once
@@ -13,7 +13,6 @@ import argparse
 import torch
 
 from sparsetrain.kernels import spmm_csl as sc
-from sparsetrain.kernels import spmm_ell as se
 from sparsetrain.kernels import spmm_infer as si
 from sparsetrain.kernels import spmm_pair as sp
 
@@ -31,12 +30,12 @@ def main() -> None:
     w.masked_fill_(torch.rand(m, k, device="cuda") < args.sparsity, 0)
     x = torch.randn(args.tokens, k, device="cuda", dtype=torch.float16)
     weights = ((si.spmm_cuda, si.compress(w)), (sc.spmm_csl_cuda, sc.compress_csl(w)),
-               (sp.spmm_pair_cuda, sp.compress_pair(w)), (se.spmm_ell_cuda, se.compress_ell(w)))
+               (sp.spmm_pair_cuda, sp.compress_pair(w)))
     torch.cuda.synchronize()
     for fn, cw in weights:
         fn(x, cw)
     torch.cuda.synchronize()
-    print(f"ran bitmap, CSL, pair and ell once at {m}x{k}, sparsity {args.sparsity}, N = {args.tokens}")
+    print(f"ran bitmap, CSL and pair once at {m}x{k}, sparsity {args.sparsity}, N = {args.tokens}")
 
 
 if __name__ == "__main__":

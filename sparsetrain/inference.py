@@ -29,18 +29,16 @@ from torch import Tensor, nn
 from .kernels._launch import max_tile_len
 from .kernels.spmm_csl import CompressedWeight, CslWeight
 from .kernels.spmm_infer import BREAK_EVEN_SPARSITY, FORMATS, SparseInferenceWeight, compress, spmm_infer
-from .kernels.spmm_ell import EllWeight
 from .kernels.spmm_pair import PairWeight
 
 FORMAT_VERSION = 1
 MODES = ("auto", "compressed", "dense")
 _INDEX = "sparse_index.json"
 _TENSORS = "sparse_model.safetensors"
-_CLASSES = {"bitmap": SparseInferenceWeight, "csl": CslWeight, "pair": PairWeight, "ell": EllWeight}
+_CLASSES = {"bitmap": SparseInferenceWeight, "csl": CslWeight, "pair": PairWeight}
 _STORED = {"bitmap": ("bitmap", "values", "row_offsets", "tile_offsets"),
            "csl": ("values", "locs", "sub_offsets", "tile_offsets"),
-           "pair": ("bitmap", "values", "row_offsets", "tile_offsets"),
-           "ell": EllWeight.TENSORS}
+           "pair": ("bitmap", "values", "row_offsets", "tile_offsets")}
 
 
 def weight_sparsity(weight: Tensor) -> float:

@@ -79,7 +79,6 @@ SIGNATURES = {
     "sparsetrain_spmm_bitmap": [_LL] * 10 + [_I] * 11 + [_LL],
     "sparsetrain_spmm_csl": [_LL] * 10 + [_I] * 11 + [_LL],
     "sparsetrain_spmm_pair": [_LL] * 10 + [_I] * 11 + [_LL],
-    "sparsetrain_spmm_ell": [_LL] * 8 + [_I] * 10 + [_LL],
     "sparsetrain_bs_dds": [_LL] * 6 + [_I] * 11 + [_LL],
     "sparsetrain_bs_dds_smem": [_I] * 4,
     "sparsetrain_bs_dds_warps": [_I] * 3,

@@ -80,8 +80,6 @@ def max_tile_len(weight) -> int:
     object (one device sync) and cached on it; :class:`~sparsetrain.inference.SparseInferenceLinear` keeps it
     across the weight views it makes each call, so a forward never syncs (and CUDA-graph capture works)."""
     cached = getattr(weight, "_max_tile_len", None)
-    if cached is None and not hasattr(weight, "tile_offsets"):  # a format without tiles (ell)
-        cached = weight._max_tile_len = 0
     if cached is None:
         flat = weight.tile_offsets.reshape(-1).long()
         if flat.numel() == 0:

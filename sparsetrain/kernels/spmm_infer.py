@@ -42,12 +42,10 @@ from sparsetrain.kernels.spmm_csl import (
     spmm_csl_cuda,
 )
 from sparsetrain.kernels.spmm_csl import cuda_usable as csl_cuda_usable
-from sparsetrain.kernels.spmm_ell import EllWeight, compress_ell, spmm_ell_chunked
-from sparsetrain.kernels.spmm_ell import cuda_usable as ell_cuda_usable
 from sparsetrain.kernels.spmm_pair import PairWeight, compress_pair, spmm_pair_cuda
 from sparsetrain.kernels.spmm_pair import cuda_usable as pair_cuda_usable
 
-FORMATS = ("bitmap", "csl", "pair", "ell", "auto")
+FORMATS = ("bitmap", "csl", "pair", "auto")
 
 BLOCK_M_CHOICES = (16, 32, 64, 128)
 BLOCK_K = 64  # columns per tile: one 64-bit bitmap word per tile row (fixed by the kernel)
@@ -146,8 +144,7 @@ def _to_dense_torch(w: SparseInferenceWeight) -> Tensor:
 
 def compress(weight: Tensor, block_m: int = 128, fmt: str = "bitmap") -> CompressedWeight:
     """Builds the bitmap format (``fmt="bitmap"``), the tiled CSL format (``"csl"``, :mod:`spmm_csl`), the pair
-    bitmap (``"pair"``, :mod:`spmm_pair`: more bytes, faster decode), the row-per-lane steps (``"ell"``,
-    :mod:`spmm_ell`: a CUDA-core kernel whose work is per nonzero, for very sparse weights), or whichever of bitmap and CSL stores fewer
+    bitmap (``"pair"``, :mod:`spmm_pair`: more bytes, faster decode), or whichever of bitmap and CSL stores fewer
     bytes (``"auto"``: CSL above ~82% sparsity) of a 2-D weight on its own device; exact zeros are dropped.
 
     Example: ``cw = compress(linear.weight.detach()); cw.to_dense().equal(linear.weight)`` is True.
@@ -164,8 +161,6 @@ def compress(weight: Tensor, block_m: int = 128, fmt: str = "bitmap") -> Compres
         return compress_csl(weight)
     if fmt == "pair":
         return compress_pair(weight)
-    if fmt == "ell":
-        return compress_ell(weight)
     if not isinstance(weight, Tensor):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if weight.dim() != 2:
@@ -220,8 +215,8 @@ def _use_triton(t: Tensor) -> bool:
 
 
 def _check(x: Tensor, weight: CompressedWeight, bias: Tensor | None) -> None:
-    if not isinstance(weight, (SparseInferenceWeight, CslWeight, PairWeight, EllWeight)):
-        raise TypeError(f"weight must be a SparseInferenceWeight, CslWeight, PairWeight or EllWeight (see compress), "
+    if not isinstance(weight, (SparseInferenceWeight, CslWeight, PairWeight)):
+        raise TypeError(f"weight must be a SparseInferenceWeight, CslWeight or PairWeight (see compress), "
                         f"got {type(weight).__name__}")
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -306,10 +301,6 @@ class _SpmmInferFn(torch.autograd.Function):
         if isinstance(weight, PairWeight):
             if x2.is_cuda and pair_cuda_usable(x2, weight):
                 return spmm_pair_cuda(x2, weight, bias)
-            return F.linear(x2, weight.to_dense(), bias)
-        if isinstance(weight, EllWeight):
-            if x2.is_cuda and x2.shape[0] <= MAX_TOKENS and ell_cuda_usable(x2[:1], weight):
-                return spmm_ell_chunked(x2, weight, bias)
             return F.linear(x2, weight.to_dense(), bias)
         if x2.is_cuda and cuda_kernel_usable(x2, weight):
             return spmm_cuda(x2, weight, bias)

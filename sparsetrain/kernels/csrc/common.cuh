@@ -62,32 +62,6 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// After a block has added its fp32 partial sums to the split-K workspace: the last of the split_k blocks of
-// row tile pid_m (arrival counter) adds the bias, writes Y for rows [tile_row0, tile_row0 + rows_per_tile) and
-// re-zeroes its part of the workspace and its counter.
-template <typename T>
-__device__ __forceinline__ void finish_split_k(int tile_row0, int rows_per_tile, int m, int n, const uint16_t* bias,
-                                               uint16_t* y, int sy, int split_k, float* ws, int32_t* locks,
-                                               int pid_m, int threads) {
-  __threadfence();
-  __syncthreads();
-  __shared__ int last;
-  if (threadIdx.x == 0) last = (atomicAdd(locks + pid_m, 1) == split_k - 1);
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  const int rows = min(rows_per_tile, m - tile_row0);
-  for (int idx = threadIdx.x; idx < rows * n; idx += threads) {
-    const int tok = idx / rows, o = tile_row0 + idx % rows;
-    float* p = ws + static_cast<long long>(tok) * m + o;
-    float v = __ldcg(p);
-    __stcg(p, 0.f);
-    if (bias) v += to_float<T>(reinterpret_cast<const T*>(bias)[o]);
-    reinterpret_cast<T*>(y)[static_cast<long long>(tok) * sy + o] = from_float<T>(v);
-  }
-  if (threadIdx.x == 0) locks[pid_m] = 0;
-}
-
 // Writes the [2 x 16 rows] x [NT x 8 tokens] fp32 accumulators of one warp: straight to Y when there is no
 // split-K; else adds them to the fp32 workspace, and the last block of the row tile (arrival counter) adds the
 // bias, writes Y and re-zeroes its part of the workspace. Fragment element (mt, nt, i) is W row
@@ -114,8 +88,24 @@ __device__ __forceinline__ void write_output(float (&acc)[2][NT][4], int row_bas
           atomicAdd(ws + static_cast<long long>(tok) * m + o, acc[mt][nt][i]);
         }
       }
-  if (split_k > 1)
-    finish_split_k<T>(tile_row0, rows_per_tile, m, n, bias, y, sy, split_k, ws, locks, pid_m, threads);
+  if (split_k == 1) return;
+  __threadfence();
+  __syncthreads();
+  __shared__ int last;
+  if (threadIdx.x == 0) last = (atomicAdd(locks + pid_m, 1) == split_k - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const int rows = min(rows_per_tile, m - tile_row0);
+  for (int idx = threadIdx.x; idx < rows * n; idx += threads) {
+    const int tok = idx / rows, o = tile_row0 + idx % rows;
+    float* p = ws + static_cast<long long>(tok) * m + o;
+    float v = __ldcg(p);
+    __stcg(p, 0.f);
+    if (bias) v += to_float<T>(reinterpret_cast<const T*>(bias)[o]);
+    reinterpret_cast<T*>(y)[static_cast<long long>(tok) * sy + o] = from_float<T>(v);
+  }
+  if (threadIdx.x == 0) locks[pid_m] = 0;
 }
 
 // The arguments every skinny-SpMM kernel takes besides its weight format's tensors.
