@@ -409,6 +409,7 @@ def sec_bert(args) -> dict:
             for e in rows[:12]:
                 say(f"    {getattr(e, attr) / 2e3:7.3f}  {e.count // 2:4d}x  {e.key[:90]}")
         if args.bert_graph:
+            loss = loss.detach()  # an eager autograd graph kept alive would pin AccumulateGrad to the eager stream
             try:
                 graph_ms, graph_loss = _graphed_step_ms(model, ids, labels, n)
             except Exception as e:  # noqa: BLE001 - the eager numbers of this section still stand
