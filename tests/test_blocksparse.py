@@ -901,3 +901,14 @@ def test_tuner_takes_the_dense_fallback_only_by_a_margin():
     assert bs._choose([(a, 1.0), (dense, bs.DENSE_MARGIN - 0.01)]) == dense
     assert bs._choose([(dense, 5.0)]) == dense
     assert bs._choose([(a, 0.9), (b, 1.0)]) == a
+
+
+def test_dense_margin_from_the_environment_is_checked(monkeypatch):
+    monkeypatch.delenv("SPARSETRAIN_DENSE_MARGIN", raising=False)
+    assert bs._margin_from_env("SPARSETRAIN_DENSE_MARGIN", 0.85) == 0.85
+    monkeypatch.setenv("SPARSETRAIN_DENSE_MARGIN", "1")
+    assert bs._margin_from_env("SPARSETRAIN_DENSE_MARGIN", 0.85) == 1.0
+    for bad in ("abc", "0", "1.5", "nan"):
+        monkeypatch.setenv("SPARSETRAIN_DENSE_MARGIN", bad)
+        with pytest.raises(ValueError, match="SPARSETRAIN_DENSE_MARGIN"):
+            bs._margin_from_env("SPARSETRAIN_DENSE_MARGIN", 0.85)

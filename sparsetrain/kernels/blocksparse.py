@@ -437,7 +437,20 @@ def _pick(kind: str, key: tuple, device: torch.device, candidates: list, interp:
 # The dense fallback must beat the best block kernel by this factor of GPU time to be chosen: the tuner times GPU
 # time only, while the fallback's scatter/gather also costs host work (allocations, index ops) that an eager
 # training step pays. SPARSETRAIN_DENSE_MARGIN=1 takes the plain fastest (docs/blocksparse.md, round 8).
-DENSE_MARGIN = float(os.environ.get("SPARSETRAIN_DENSE_MARGIN", "0.85"))
+def _margin_from_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be a number in (0, 1], got {raw!r}")
+    return value
+
+
+DENSE_MARGIN = _margin_from_env("SPARSETRAIN_DENSE_MARGIN", 0.85)
 
 
 def _choose(timed: list[tuple[NamedTuple, float]]) -> NamedTuple:
