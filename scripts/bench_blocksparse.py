@@ -305,11 +305,34 @@ def sec_memory(args) -> dict:
     return out
 
 
-def _graphed_step_ms(model, ids, labels, n: int) -> tuple[float, float, float]:
+def _kernel_profile(fn, label: str) -> dict[str, float]:
+    """GPU time per kernel name (ms per call of ``fn``, over 2 calls, torch profiler); says the total and the top
+    kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+    per = {}
+    for e in ka:
+        per[e.key] = per.get(e.key, 0.0) + getattr(e, attr) / 2e3
+    rows = sorted(ka, key=lambda e: getattr(e, attr), reverse=True)
+    say(f"{label} profile: {sum(per.values()):.2f} ms of kernels per step; top kernels (ms/step):")
+    for e in rows[:12]:
+        say(f"    {getattr(e, attr) / 2e3:7.3f}  {e.count // 2:4d}x  {e.key[:90]}")
+    return per
+
+
+def _graphed_step_ms(model, ids, labels, n: int, profile_label: str | None = None
+                     ) -> tuple[float, float, float, dict | None]:
     """The whole training step (bf16-autocast forward, backward, fused capturable AdamW) replayed from one CUDA
     graph: the GPU-side step time, without the host's per-op work (the eager step is host-bound on slow hosts).
-    Returns (mean ms per replay, the last replay's loss, mean ms of the same step run eagerly). The kernels were
-    tuned by the eager steps before; the autocast cache is off, as capture needs."""
+    Returns (mean ms per replay, the last replay's loss, mean ms of the same step run eagerly, the replays' kernel
+    profile when ``profile_label`` is given). The kernels were tuned by the eager steps before; the autocast cache
+    is off, as capture needs."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
 
     def body():
@@ -351,9 +374,10 @@ def _graphed_step_ms(model, ids, labels, n: int) -> tuple[float, float, float]:
     for _ in range(3):
         graph.replay()
     ms = timed(graph.replay)
+    prof = _kernel_profile(graph.replay, profile_label) if profile_label else None
     loss = static_loss.item()
     del graph, opt
-    return ms, loss, eager_ms
+    return ms, loss, eager_ms, prof
 
 
 def sec_bert(args) -> dict:
@@ -407,23 +431,12 @@ def sec_bert(args) -> dict:
         peak = torch.cuda.max_memory_allocated()
         st = _state_bytes(model, opt)
         if args.bert_profile:  # where the step's GPU time goes: top kernels
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(2):
-                    step()
-                torch.cuda.synchronize()
-            ka = prof.key_averages()
-            attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-            rows = sorted(ka, key=lambda e: getattr(e, attr), reverse=True)
-            total = sum(getattr(e, attr) for e in ka) / 2e3
-            say(f"bert {kind} profile: {total:.2f} ms of kernels per step; top kernels (ms/step):")
-            for e in rows[:12]:
-                say(f"    {getattr(e, attr) / 2e3:7.3f}  {e.count // 2:4d}x  {e.key[:90]}")
+            out.setdefault("profile", {})[kind] = _kernel_profile(step, f"bert {kind}")
         if args.bert_graph:
             loss = loss.detach()  # an eager autograd graph kept alive would pin AccumulateGrad to the eager stream
             try:
-                graph_ms, graph_loss, same_eager_ms = _graphed_step_ms(model, ids, labels, n)
+                graph_ms, graph_loss, same_eager_ms, graph_prof = _graphed_step_ms(
+                    model, ids, labels, n, f"bert {kind} graph" if args.bert_profile else None)
             except Exception as e:  # noqa: BLE001 - the eager numbers of this section still stand
                 traceback.print_exc()
                 say(f"bert {kind}: CUDA-graph capture FAILED: {e!r}"[:300])
@@ -431,6 +444,14 @@ def sec_bert(args) -> dict:
             else:
                 out.setdefault("graph_ms", {})[kind] = graph_ms
                 out.setdefault("graph_settings_eager_ms", {})[kind] = same_eager_ms
+                if graph_prof:
+                    out.setdefault("graph_profile", {})[kind] = graph_prof
+                    eager_prof = out["profile"][kind]
+                    diff = sorted(set(eager_prof) | set(graph_prof),
+                                  key=lambda k: graph_prof.get(k, 0.0) - eager_prof.get(k, 0.0), reverse=True)
+                    say(f"bert {kind}: kernels slower in the graph than eager (ms/step, graph - eager):")
+                    for key in diff[:8]:
+                        say(f"    {graph_prof.get(key, 0.0) - eager_prof.get(key, 0.0):+7.3f}  {key[:90]}")
                 say(f"bert {kind}: whole step (fwd+bwd+AdamW) replayed from one CUDA graph: {graph_ms:.2f} ms/step, "
                     f"loss after {2 * n + 9} more steps {graph_loss:.3f}; the same step eagerly (no autocast cache, "
                     f"capturable AdamW): {same_eager_ms:.2f} ms")
