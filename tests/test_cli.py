@@ -249,3 +249,38 @@ def test_plot_blocksparse_merges_runs_and_writes_png(tmp_path):
     finally:
         sys.argv = old
     assert png.stat().st_size > 10_000
+
+
+def test_plot_bert_step_collects_runs_and_writes_png(tmp_path):
+    """scripts/plot_bert_step.py on two hand-made benchmark files: eager steps of both runs, the graph and kernel
+    times where a run has them, ratios vs dense of the means, and a PNG."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("plot_bert", os.path.join(root, "scripts", "plot_bert_step.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    first = {"results": {"env": {"gpu": "test", "date": "2026-11-23"},
+                         "bert": {"dense": {"step_ms": 30.0}, "block16_d0.1": {"step_ms": 40.0},
+                                  "ratio_block16_d0.1": {"tokens_per_s": 0.75}}}}
+    second = {"results": {"bert": {"dense": {"step_ms": 34.0}, "block16_d0.1": {"step_ms": 50.0},
+                                   "graph_ms": {"dense": 36.0, "block16_d0.1": 30.0},
+                                   "profile": {"dense": {"gemm": 20.0, "ew": 6.0}, "block16_d0.1": {"k": 22.0}}}}}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(second))
+    runs, env = mod.load_runs([str(a), str(b)])
+    assert env["gpu"] == "test" and set(runs) == {"dense", "block16_d0.1"}
+    assert runs["block16_d0.1"] == {"eager": [40.0, 50.0], "graph": [30.0], "kernels": [22.0]}
+    assert runs["dense"]["kernels"] == [26.0]
+    assert mod.ratios(runs, "eager") == {"block16_d0.1": 32.0 / 45.0}
+    assert mod.ratios(runs, "graph") == {"block16_d0.1": 36.0 / 30.0}
+    assert mod.model_label("block64_d0.1") == "64x64 blocks, 10%" and mod.model_label("dense") == "dense"
+    png = tmp_path / "p.png"
+    old = sys.argv
+    sys.argv = ["plot_bert_step.py", str(a), str(b), "--png", str(png)]
+    try:
+        mod.main()
+    finally:
+        sys.argv = old
+    assert png.stat().st_size > 10_000
