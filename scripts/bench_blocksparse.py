@@ -326,27 +326,17 @@ def _kernel_profile(fn, label: str) -> dict[str, float]:
     return per
 
 
-def _graphed_step_ms(model, ids, labels, n: int, profile_label: str | None = None, attention: str = "auto"
+def _graphed_step_ms(model, ids, labels, n: int, profile_label: str | None = None
                      ) -> tuple[float, float, float, dict | None]:
     """The whole training step (bf16-autocast forward, backward, fused capturable AdamW) replayed from one CUDA
     graph: the GPU-side step time, without the host's per-op work (the eager step is host-bound on slow hosts).
     Returns (mean ms per replay, the last replay's loss, mean ms of the same step run eagerly, the replays' kernel
     profile when ``profile_label`` is given). The kernels were tuned by the eager steps before; the autocast cache
-    is off, as capture needs. ``attention="flash"`` limits attention to the flash / memory-efficient kernels
-    (eager and graph alike): under capture the default choice fell back to an unfused fp32 path (round 8)."""
+    is off, as capture needs."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=True)
 
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def attention_ctx():
-        if attention == "flash":
-            return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
-        return contextlib.nullcontext()
-
     def body():
-        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False), attention_ctx():
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         opt.step()
@@ -446,8 +436,7 @@ def sec_bert(args) -> dict:
             loss = loss.detach()  # an eager autograd graph kept alive would pin AccumulateGrad to the eager stream
             try:
                 graph_ms, graph_loss, same_eager_ms, graph_prof = _graphed_step_ms(
-                    model, ids, labels, n, f"bert {kind} graph" if args.bert_profile else None,
-                    args.bert_graph_attention)
+                    model, ids, labels, n, f"bert {kind} graph" if args.bert_profile else None)
             except Exception as e:  # noqa: BLE001 - the eager numbers of this section still stand
                 traceback.print_exc()
                 say(f"bert {kind}: CUDA-graph capture FAILED: {e!r}"[:300])
@@ -722,8 +711,6 @@ def main() -> None:
     p.add_argument("--bert-profile", action="store_true")
     p.add_argument("--bert-graph", action="store_true",
                    help="also time each BERT step replayed from one CUDA graph (GPU time without host work)")
-    p.add_argument("--bert-graph-attention", choices=["auto", "flash"], default="auto",
-                   help="attention kernels of the --bert-graph step: PyTorch's choice, or flash / memory-efficient only")
     p.add_argument("--bert-blocks", default="16", help="block sizes of the sparse BERT variants (density 0.1)")
     p.add_argument("--tma", choices=["all", "off", "forward"], default="all",
                    help="TMA kernels as tuner candidates: for all three products (the default), none (gather kernels "
