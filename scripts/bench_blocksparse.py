@@ -305,6 +305,26 @@ def sec_memory(args) -> dict:
     return out
 
 
+def _host_profile(fn, label: str, calls: int = 5, top: int = 25) -> str:
+    """cProfile of ``calls`` calls of ``fn`` (synchronized at the end), the ``top`` functions by own time; says and
+    returns the table."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    say(f"{label} cProfile of {calls} steps (by own time):\n{buf.getvalue()}")
+    return buf.getvalue()
+
+
 def _kernel_profile(fn, label: str) -> dict[str, float]:
     """GPU time per kernel name (ms per call of ``fn``, over 2 calls, torch profiler); says the total and the top
     kernels."""
@@ -432,6 +452,8 @@ def sec_bert(args) -> dict:
         st = _state_bytes(model, opt)
         if args.bert_profile:  # where the step's GPU time goes: top kernels
             out.setdefault("profile", {})[kind] = _kernel_profile(step, f"bert {kind}")
+        if args.bert_cprofile:  # where the step's host time goes: Python functions and torch calls
+            out.setdefault("cprofile", {})[kind] = _host_profile(step, f"bert {kind}")
         if args.bert_graph:
             loss = loss.detach()  # an eager autograd graph kept alive would pin AccumulateGrad to the eager stream
             try:
@@ -709,6 +731,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--check-all-configs", action="store_true")
     p.add_argument("--bert-profile", action="store_true")
+    p.add_argument("--bert-cprofile", action="store_true", help="cProfile of 5 eager BERT steps (host time)")
     p.add_argument("--bert-graph", action="store_true",
                    help="also time each BERT step replayed from one CUDA graph (GPU time without host work)")
     p.add_argument("--bert-blocks", default="16", help="block sizes of the sparse BERT variants (density 0.1)")
