@@ -912,3 +912,22 @@ def test_dense_margin_from_the_environment_is_checked(monkeypatch):
         monkeypatch.setenv("SPARSETRAIN_DENSE_MARGIN", bad)
         with pytest.raises(ValueError, match="SPARSETRAIN_DENSE_MARGIN"):
             bs._margin_from_env("SPARSETRAIN_DENSE_MARGIN", 0.85)
+
+
+def test_raw_stream_reads_the_device_index(monkeypatch):
+    from sparsetrain.kernels import _device
+
+    monkeypatch.setattr(_device, "_RAW_STREAM", lambda idx: 1000 + idx)
+    assert _device.raw_stream(torch.device("cuda", 3)) == 1003
+
+
+@pytest.mark.gpu
+def test_gpu_raw_stream_is_the_current_stream():
+    from sparsetrain.kernels._device import raw_stream
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert raw_stream(dev) == torch.cuda.current_stream(dev).cuda_stream
+    side = torch.cuda.Stream(dev)
+    with torch.cuda.stream(side):
+        assert raw_stream(dev) == side.cuda_stream != torch.cuda.default_stream(dev).cuda_stream
+        assert raw_stream(torch.device("cuda")) == side.cuda_stream

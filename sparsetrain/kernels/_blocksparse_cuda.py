@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels._device import num_sms, smem_optin
+from sparsetrain.kernels._device import num_sms, raw_stream, smem_optin
 
 BLOCKS = (16, 32)
 
@@ -119,7 +119,7 @@ class CudaDdsPlan:
         rc = self.fn(a.data_ptr(), values.data_ptr(), self.info.data_ptr(), self.wbound.data_ptr(), b_ptr,
                      out.data_ptr(), self.t, self.k, a.stride(0), out.stride(0), self.block, self.cfg.mt,
                      self.cfg.half, self.cfg.splits, int(self.trans), int(a.dtype == torch.bfloat16), b_f32,
-                     torch.cuda.current_stream(a.device).cuda_stream)
+                     raw_stream(a.device))
         if rc != 0:
             raise RuntimeError(f"bs_dds launch failed with code {rc} ({self.cfg})")
 
@@ -222,7 +222,7 @@ class CudaKsPlan:
         rc = self.fn(a.data_ptr(), values.data_ptr(), info.data_ptr(), wstart.data_ptr(), counts.data_ptr(), b_ptr,
                      out.data_ptr(), self.t, self.k, a.stride(0), out.stride(0), n_parts, n_out, self.cfg.ob,
                      self.grid_y, int(self.trans), int(a.dtype == torch.bfloat16), b_f32,
-                     torch.cuda.current_stream(a.device).cuda_stream)
+                     raw_stream(a.device))
         if rc != 0:
             raise RuntimeError(f"bs_dds_ks launch failed with code {rc} ({self.cfg})")
 
@@ -365,6 +365,6 @@ class CudaDwPlan:
         rc = self.fn(x.data_ptr(), dy.data_ptr(), self.cta.data_ptr(), self.blk.data_ptr(), dv.data_ptr(),
                      db.data_ptr() if self.with_bias else 0, self.t, x.stride(0), dy.stride(0), self.cta.shape[0],
                      self.splits, self.tps, self.aw, self.bw, self.tc, int(x.dtype == torch.bfloat16),
-                     torch.cuda.current_stream(x.device).cuda_stream)
+                     raw_stream(x.device))
         if rc != 0:
             raise RuntimeError(f"bs_dw launch failed with code {rc}")

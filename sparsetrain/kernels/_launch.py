@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsetrain.kernels._device import num_sms
+from sparsetrain.kernels._device import num_sms, raw_stream
 
 MAX_TOKENS = 64  # largest N the skinny kernels take
 _WORKSPACE: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -21,7 +21,7 @@ def workspace(device: torch.device, n_elems: int, n_locks: int, stream: int | No
     Calls on one stream are ordered, so sharing is safe; concurrent calls on one stream cannot happen.
     """
     if stream is None:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        stream = raw_stream(device) if device.type == "cuda" else 0
     key = (device, stream)
     ws, locks = _WORKSPACE.get(key, (None, None))
     if ws is None or ws.numel() < n_elems or locks.numel() < n_locks:
@@ -68,7 +68,7 @@ def prepare_cuda(x2: Tensor, m: int, tm: int, tk: int, bias: Tensor | None, spli
         x2 = F.pad(x2, (0, kp - k)) if kp != k else x2.clone(memory_format=torch.contiguous_format)
     split_k, tiles_per_split = split_k_for(tm, tk, split_k, waves, x2.device)
     y = torch.empty(n, m, dtype=x2.dtype, device=x2.device)
-    stream = torch.cuda.current_stream(x2.device).cuda_stream
+    stream = raw_stream(x2.device)
     ws, locks = workspace(x2.device, MAX_TOKENS * m, tm, stream) if split_k > 1 else (y, y)
     if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
         bias = bias.to(x2.dtype).contiguous()
