@@ -305,6 +305,18 @@ def sec_memory(args) -> dict:
     return out
 
 
+def _cuda_ms(fn, n: int):
+    """(mean ms per call of ``fn`` over ``n`` back-to-back calls, timed with CUDA events; the last call's result)."""
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(n):
+        last = fn()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / n, last
+
+
 def _host_profile(fn, label: str, calls: int = 5, top: int = 25) -> str:
     """cProfile of ``calls`` calls of ``fn`` (synchronized at the end), the ``top`` functions by own time; says and
     returns the table."""
@@ -362,23 +374,13 @@ def _graphed_step_ms(model, ids, labels, n: int, profile_label: str | None = Non
         opt.step()
         return loss
 
-    def timed(fn) -> float:
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(n):
-            fn()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1) / n
-
     def eager():
         opt.zero_grad(set_to_none=True)
         body()
 
     for _ in range(3):
         eager()
-    eager_ms = timed(eager)  # the graph's settings (no autocast cache, capturable AdamW), run eagerly
+    eager_ms = _cuda_ms(eager, n)[0]  # the graph's settings (no autocast cache, capturable AdamW), run eagerly
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -393,7 +395,7 @@ def _graphed_step_ms(model, ids, labels, n: int, profile_label: str | None = Non
         static_loss = body()
     for _ in range(3):
         graph.replay()
-    ms = timed(graph.replay)
+    ms = _cuda_ms(graph.replay, n)[0]
     prof = _kernel_profile(graph.replay, profile_label) if profile_label else None
     loss = static_loss.item()
     del graph, opt
@@ -441,13 +443,7 @@ def sec_bert(args) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         n = 20
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(n):
-            loss = step()
-        e1.record()
-        torch.cuda.synchronize()
-        ms = e0.elapsed_time(e1) / n
+        ms, loss = _cuda_ms(step, n)
         peak = torch.cuda.max_memory_allocated()
         st = _state_bytes(model, opt)
         if args.bert_profile:  # where the step's GPU time goes: top kernels

@@ -931,3 +931,13 @@ def test_gpu_raw_stream_is_the_current_stream():
     with torch.cuda.stream(side):
         assert raw_stream(dev) == side.cuda_stream != torch.cuda.default_stream(dev).cuda_stream
         assert raw_stream(torch.device("cuda")) == side.cuda_stream
+
+
+def test_dense_fallback_report_pairs_best_kernel_and_dense_times(monkeypatch):
+    a, b, dense = bs.DdsConfig(64, 1, 1, 4, 2), bs.DdsConfig(128, 1, 1, 4, 2), bs.DenseConfig()
+    monkeypatch.setattr(bs, "_TIMED", {("k1",): [(a, 0.3), (b, 0.2), (dense, 0.25)], ("k2",): [(a, 0.4)],
+                                       ("k3",): [(a, 0.5), (dense, 0.1)]})
+    monkeypatch.setattr(bs, "_TUNED", {("k1",): b, ("k2",): a, ("k3",): dense})
+    assert bs.dense_fallback_report() == [
+        {"key": "('k1',)", "kernel_ms": 0.2, "dense_ms": 0.25, "chosen": "kernel"},
+        {"key": "('k3',)", "kernel_ms": 0.5, "dense_ms": 0.1, "chosen": "dense"}]

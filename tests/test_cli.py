@@ -217,15 +217,31 @@ def test_trainer_compile_runs_and_matches_eager_closely(tmp_path):
     assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["status"] == "finished"
 
 
-def test_plot_blocksparse_merges_runs_and_writes_png(tmp_path):
-    """scripts/plot_blocksparse.py on two hand-made benchmark files: the later file's row replaces the
-    earlier one's, and a PNG is written."""
+def _script(name: str):
+    """scripts/<name>.py loaded as a module (the scripts are not a package)."""
     import importlib.util
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("plot_bs", os.path.join(root, "scripts", "plot_blocksparse.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "scripts", f"{name}.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_main(mod, argv: list[str]) -> None:
+    """``mod.main()`` with ``sys.argv`` set to ``argv`` (and restored after)."""
+    old = sys.argv
+    sys.argv = [mod.__name__ + ".py", *argv]
+    try:
+        mod.main()
+    finally:
+        sys.argv = old
+
+
+def test_plot_blocksparse_merges_runs_and_writes_png(tmp_path):
+    """scripts/plot_blocksparse.py on two hand-made benchmark files: the later file's row replaces the
+    earlier one's, and a PNG is written."""
+    mod = _script("plot_blocksparse")
 
     def run(speed):
         row = {f"b{b}_d{d}": {"speedup": {"fwd_bwd": speed * b * (1 - d), "peer_fwd": 0.5}}
@@ -242,24 +258,14 @@ def test_plot_blocksparse_merges_runs_and_writes_png(tmp_path):
     assert rows["1024x4096"]["b16_d0.1"]["speedup"]["fwd_bwd"] == 2.0 * 16 * 0.9  # replaced by the later file
     assert rows["1024x4096"]["b64_d0.1"]["speedup"]["fwd_bwd"] == 1.0 * 64 * 0.9  # kept from the earlier one
     png = tmp_path / "p.png"
-    old = sys.argv
-    sys.argv = ["plot_blocksparse.py", str(a), str(b), "--png", str(png)]
-    try:
-        mod.main()
-    finally:
-        sys.argv = old
+    _run_main(mod, [str(a), str(b), "--png", str(png)])
     assert png.stat().st_size > 10_000
 
 
 def test_plot_bert_step_collects_runs_and_writes_png(tmp_path):
     """scripts/plot_bert_step.py on two hand-made benchmark files: eager steps of both runs, the graph and kernel
     times where a run has them, ratios vs dense of the means, and a PNG."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("plot_bert", os.path.join(root, "scripts", "plot_bert_step.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("plot_bert_step")
     first = {"results": {"env": {"gpu": "test", "date": "2026-11-23"},
                          "bert": {"dense": {"step_ms": 30.0}, "block16_d0.1": {"step_ms": 40.0},
                                   "ratio_block16_d0.1": {"tokens_per_s": 0.75}}}}
@@ -277,10 +283,5 @@ def test_plot_bert_step_collects_runs_and_writes_png(tmp_path):
     assert mod.ratios(runs, "graph") == {"block16_d0.1": 36.0 / 30.0}
     assert mod.model_label("block64_d0.1") == "64x64 blocks, 10%" and mod.model_label("dense") == "dense"
     png = tmp_path / "p.png"
-    old = sys.argv
-    sys.argv = ["plot_bert_step.py", str(a), str(b), "--png", str(png)]
-    try:
-        mod.main()
-    finally:
-        sys.argv = old
+    _run_main(mod, [str(a), str(b), "--png", str(png)])
     assert png.stat().st_size > 10_000

@@ -358,7 +358,7 @@ def _tma_candidates(a: Tensor, values: Tensor, B: int, forward: bool) -> list[Tm
     return list(_TMA_CANDIDATES.get(B, []))
 
 _TUNED: dict[tuple, NamedTuple] = {}
-_TIMED: dict[tuple, list[tuple[str, float]]] = {}  # the tuner's timings per key (benchmark reports)
+_TIMED: dict[tuple, list[tuple[NamedTuple, float]]] = {}  # the tuner's timings per key (benchmark reports)
 _FORCED: dict[str, NamedTuple] = {}
 # Tests and the benchmark set this to fill kernel outputs with NaN first, so an unwritten element shows.
 POISON_OUTPUTS = False
@@ -393,8 +393,8 @@ def dense_fallback_report() -> list[dict]:
     benchmark reports)."""
     rows = []
     for key, timed in _TIMED.items():
-        dense = [ms for cfg, ms in timed if cfg.startswith("DenseConfig")]
-        kernels = [ms for cfg, ms in timed if not cfg.startswith("DenseConfig")]
+        dense = [ms for cfg, ms in timed if isinstance(cfg, DenseConfig)]
+        kernels = [ms for cfg, ms in timed if not isinstance(cfg, DenseConfig)]
         if dense and kernels:
             rows.append({"key": repr(key), "kernel_ms": min(kernels), "dense_ms": min(dense),
                          "chosen": "dense" if isinstance(_TUNED[key], DenseConfig) else "kernel"})
@@ -430,13 +430,10 @@ def _pick(kind: str, key: tuple, device: torch.device, candidates: list, interp:
         raise RuntimeError(f"no {kind} kernel configuration could run for {key}")
     best = _choose(timed)
     _TUNED[full] = best
-    _TIMED[full] = [(repr(cfg), ms) for cfg, ms in timed]
+    _TIMED[full] = timed
     return best
 
 
-# The dense fallback must beat the best block kernel by this factor of GPU time to be chosen: the tuner times GPU
-# time only, while the fallback's scatter/gather also costs host work (allocations, index ops) that an eager
-# training step pays. SPARSETRAIN_DENSE_MARGIN=1 takes the plain fastest (docs/blocksparse.md, round 8).
 def _margin_from_env(name: str, default: float) -> float:
     raw = os.environ.get(name, "")
     if not raw:
@@ -450,6 +447,9 @@ def _margin_from_env(name: str, default: float) -> float:
     return value
 
 
+# The dense fallback must beat the best block kernel by this factor of GPU time to be chosen: the tuner times GPU
+# time only, while the fallback's scatter/gather also costs host work (allocations, index ops) that an eager
+# training step pays. SPARSETRAIN_DENSE_MARGIN=1 takes the plain fastest (docs/blocksparse.md, round 8).
 DENSE_MARGIN = _margin_from_env("SPARSETRAIN_DENSE_MARGIN", 0.85)
 
 
