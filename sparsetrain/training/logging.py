@@ -535,3 +535,9 @@ def end_tracking(accelerator: Any) -> None:
         tracker.finish()
     if trackers:
         accelerator.trackers.clear()
+    if any(getattr(t, "name", "") == "wandb" for t in trackers):
+        import wandb
+
+        # run.finish() only informs wandb's service process, which writes the rest of the offline run file on its
+        # own time (a full test run once read a file holding just its header); teardown waits until it is done.
+        wandb.teardown()
