@@ -21,7 +21,6 @@ constexpr int THREADS = 128;
 constexpr int XS_STRIDE = BK + 8;  // halves: 144-byte rows, conflict-free 4-byte fragment loads
 constexpr int AS_STRIDE = BK + 8;  // halves: 144-byte rows, conflict-free ldmatrix
 constexpr int N_SUB = 32;
-constexpr int SUB = 16;  // sub-tile side
 
 struct Args : SkinnyArgs {    // n_values = nonzeros
   const uint16_t* values;
@@ -159,198 +158,10 @@ __global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SP
                       a.locks, pid_m, THREADS);
 }
 
-// ---- Round 8 kernel (default): vectorised chunk reads, un-scatter instead of zeroing ----
-//
-// The staged kernel above spends most of its shared-memory bandwidth on work that does not shrink with
-// sparsity (Nsight Compute, round 5): zeroing each warp's [32, 64] slab every tile (16 KB of stores per tile),
-// one 2-byte read per value and per location, and bank conflicts. This kernel stages the tile the same way
-// (cp.async, double-buffered), then:
-//   - zeroes the slab once; after the tile's MMAs each lane writes zeros back where it scattered;
-//   - each lane reads 8 consecutive nonzeros of its warp's run at once (one 16-byte value read, one 8-byte
-//     location read);
-//   - finds an element's sub-tile without a search: the sub-tile starts inside a chunk of 8 are counted into
-//     nibbles, whose prefix sums (one multiply by 0x11111111) give each element's sub-tile.
-// Elements of a chunk outside the warp's run go to a padding column (TRASH), so no store is predicated.
-constexpr int CH = 8;         // nonzeros per lane per round
-constexpr int WS = 8;         // sub-tiles per warp (32 rows x 64 columns)
-constexpr int TRASH = BK;     // slab row 0, first padding column: ldmatrix never reads it
-
-struct Run {        // a warp's run of nonzeros in the staged tile, in value-window indices relative to w0
-  int w0;           // window index of chunk 0: the run's first, rounded down to 8 (16-byte aligned)
-  int rel[WS + 1];  // rel[q]: first nonzero of the warp's sub-tile q; rel[WS]: the run's end
-};
-
-__device__ __forceinline__ Run warp_run(const Staged& st, const int16_t* so, int warp) {
-  Run r;
-  const uint4 raw = *reinterpret_cast<const uint4*>(so + WS * warp);
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  r.w0 = (st.v0 + static_cast<int>(w[0] & 0xFFFF)) & ~(CH - 1);
-#pragma unroll
-  for (int q = 0; q < WS; ++q) r.rel[q] = st.v0 + static_cast<int>((w[q >> 1] >> (16 * (q & 1))) & 0xFFFF) - r.w0;
-  r.rel[WS] = st.v0 + (warp < 3 ? so[WS * warp + WS] : st.len) - r.w0;
-  return r;
-}
-
-// Slab addresses (halves) of chunk c's 8 elements, packed two per word; TRASH for elements outside the run.
-__device__ __forceinline__ void chunk_addrs(const Run& r, int c, uint2 locs, uint32_t (&addr)[CH / 2]) {
-  const int c0 = CH * c;
-  int base = 0;
-  uint32_t inc = 0;
-#pragma unroll
-  for (int q = 1; q < WS; ++q) {
-    const int d = r.rel[q] - c0;
-    base += d <= 0;
-    inc += static_cast<unsigned>(d - 1) < static_cast<unsigned>(CH - 1) ? (1u << (4 * d)) : 0u;
-  }
-  const uint32_t pref = inc * 0x11111111u;  // nibble e: sub-tile starts in (c0, c0 + e]
-#pragma unroll
-  for (int e = 0; e < CH; ++e) {
-    const int sub = base + ((pref >> (4 * e)) & 15);
-    const int l = ((e < 4 ? locs.x : locs.y) >> (8 * (e & 3))) & 255;
-    // row (sub / 4) * 16 + l / 16, column (sub % 4) * 16 + l % 16
-    int ad = (sub >> 2) * (SUB * AS_STRIDE) + (sub & 3) * SUB + (l >> 4) * AS_STRIDE + (l & 15);
-    ad = (c0 + e >= r.rel[0] && c0 + e < r.rel[WS]) ? ad : TRASH;
-    if (e & 1) addr[e >> 1] |= static_cast<uint32_t>(ad) << 16;
-    else addr[e >> 1] = static_cast<uint32_t>(ad);
-  }
-}
-
-__device__ __forceinline__ void store_chunk(uint16_t* as, const uint32_t (&addr)[CH / 2], uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int e = 0; e < CH; ++e) as[(addr[e >> 1] >> (16 * (e & 1))) & 0xFFFF] = (w[e >> 1] >> (16 * (e & 1))) & 0xFFFF;
-}
-
-__device__ __forceinline__ void zero_chunk(uint16_t* as, const uint32_t (&addr)[CH / 2]) {
-#pragma unroll
-  for (int e = 0; e < CH; ++e) as[(addr[e >> 1] >> (16 * (e & 1))) & 0xFFFF] = 0;
-}
-
-// Reads lane chunk c (8 values, 8 locations) from the staged windows and scatters it; returns its addresses.
-__device__ __forceinline__ void scatter_chunk(uint16_t* as, const uint16_t* sv, const uint8_t* sl, int lshift,
-                                              const Run& r, int c, uint32_t (&addr)[CH / 2]) {
-  const int i = r.w0 + CH * c;
-  const uint2 l = *reinterpret_cast<const uint2*>(sl + i + lshift);
-  chunk_addrs(r, c, l, addr);
-  store_chunk(as, addr, *reinterpret_cast<const uint4*>(sv + i));
-}
-
-#ifndef SPT_CSL_MIN_BLOCKS
-#define SPT_CSL_MIN_BLOCKS 8  // register cap for N <= 16 (8 blocks per SM: 64 registers)
-#endif
-#ifndef SPT_CSL_ROUNDS
-#define SPT_CSL_ROUNDS 1  // rounds of chunk addresses kept in registers for the un-scatter (more: recomputed)
-#endif
-
-template <int NT, bool BF16>
-__global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_CSL_MIN_BLOCKS : SPT_MIN_BLOCKS) spmm_csl_reg_kernel(const Args a) {
-  using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
-  constexpr int R = SPT_CSL_ROUNDS;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int x_halves = NT * 8 * XS_STRIDE;
-  const int stage_bytes = 2 * a.vcap + a.lcap + 2 * N_SUB + 2 * x_halves;  // multiple of 16
-  uint16_t* as_all = reinterpret_cast<uint16_t*>(smem_raw + 2 * stage_bytes);
-  auto sv_of = [&](int st) { return reinterpret_cast<uint16_t*>(smem_raw + st * stage_bytes); };
-  auto sl_of = [&](int st) { return reinterpret_cast<uint8_t*>(sv_of(st) + a.vcap); };
-  auto so_of = [&](int st) { return reinterpret_cast<int16_t*>(sl_of(st) + a.lcap); };
-  auto xs_of = [&](int st) { return reinterpret_cast<uint16_t*>(so_of(st) + N_SUB); };
-
-  const int pid_m = blockIdx.x, pid_s = blockIdx.y;
-  const int kt_begin = pid_s * a.tiles_per_split;
-  const int kt_end = min(kt_begin + a.tiles_per_split, a.tk);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  uint16_t* as = as_all + warp * 32 * AS_STRIDE;
-  zero_slab(as, lane);
-
-  float acc[2][NT][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-
-  const XCopies<NT> xc(a);
-  Staged cur{0, 0, 0}, next{0, 0, 0};
-  if (kt_begin < kt_end)
-    cur = stage_tile<NT>(a, xc, pid_m * a.tk + kt_begin, kt_begin, sv_of(0), sl_of(0), so_of(0), xs_of(0));
-  cp_async_commit();
-  for (int kt = kt_begin; kt < kt_end; ++kt) {
-    const int st = (kt - kt_begin) & 1;
-    if (kt + 1 < kt_end)
-      next = stage_tile<NT>(a, xc, pid_m * a.tk + kt + 1, kt + 1, sv_of(st ^ 1), sl_of(st ^ 1), so_of(st ^ 1),
-                            xs_of(st ^ 1));
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    const uint16_t* sv = sv_of(st);
-    const uint8_t* sl = sl_of(st);
-    const uint16_t* xs = xs_of(st);
-    const int lshift = cur.l0 - cur.v0;  // 0 or 8: the location window starts 16-aligned, the value window 8
-    const Run run = warp_run(cur, so_of(st), warp);
-
-    uint32_t addr[R][CH / 2];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if (CH * (32 * r + lane) < run.rel[WS]) {
-        scatter_chunk(as, sv, sl, lshift, run, 32 * r + lane, addr[r]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < CH / 2; ++i) addr[r][i] = TRASH | (TRASH << 16);
-      }
-    }
-    for (int r = R; CH * 32 * r < run.rel[WS]; ++r) {
-      uint32_t ad[CH / 2];
-      if (CH * (32 * r + lane) < run.rel[WS]) scatter_chunk(as, sv, sl, lshift, run, 32 * r + lane, ad);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      uint32_t bf[NT][2];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint16_t* xr = xs + (nt * 8 + g) * XS_STRIDE + 16 * kk + 2 * t;
-        bf[nt][0] = *reinterpret_cast<const uint32_t*>(xr);
-        bf[nt][1] = *reinterpret_cast<const uint32_t*>(xr + 8);
-      }
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        uint32_t af[4];
-        ldmatrix_x4(af, as + (mt * 16 + (lane & 15)) * AS_STRIDE + 16 * kk + (lane >> 4) * 8);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) mma16816<BF16>(acc[mt][nt], af, bf[nt][0], bf[nt][1]);
-      }
-    }
-    __syncwarp();  // the slab's reads are done before it is un-scattered
-#pragma unroll
-    for (int r = 0; r < R; ++r) zero_chunk(as, addr[r]);
-    for (int r = R; CH * 32 * r < run.rel[WS]; ++r) {
-      if (CH * (32 * r + lane) < run.rel[WS]) {
-        uint32_t ad[CH / 2];
-        chunk_addrs(run, 32 * r + lane, *reinterpret_cast<const uint2*>(sl + run.w0 + CH * (32 * r + lane) + lshift), ad);
-        zero_chunk(as, ad);
-      }
-    }
-    __syncthreads();  // this stage is overwritten by the copy issued in the next iteration
-    cur = next;
-  }
-  cp_async_wait<0>();
-  write_output<NT, T>(acc, pid_m * BM + warp * 32, pid_m * BM, BM, a.m, a.n, a.bias, a.y, a.sy, a.split_k, a.ws,
-                      a.locks, pid_m, THREADS);
-}
-
-#ifndef SPT_CSL_KERNEL
-#define SPT_CSL_KERNEL 3  // 3: the register kernel; 2: the staged kernel (kept for A/B runs)
-#endif
-
-inline int csl_smem(const Args& a, int nt) {
-  return 2 * (2 * a.vcap + a.lcap + 2 * N_SUB + 2 * nt * 8 * XS_STRIDE) + 2 * 4 * 32 * AS_STRIDE;
-}
-
 template <int NT, bool BF16>
 int launch_t(const Args& a, int grid_m, int grid_s, cudaStream_t stream) {
-  return launch_one<NT, BF16>(spmm_csl_mma_kernel<NT, BF16>, a, csl_smem(a, NT), dim3(grid_m, grid_s), THREADS, stream);
+  const int stage_bytes = 2 * a.vcap + a.lcap + 2 * N_SUB + 2 * NT * 8 * XS_STRIDE;
+  return launch_one<NT, BF16>(spmm_csl_mma_kernel<NT, BF16>, a, 2 * stage_bytes + 2 * 4 * 32 * AS_STRIDE, dim3(grid_m, grid_s), THREADS, stream);
 }
 
 }  // namespace
@@ -371,13 +182,7 @@ int sparsetrain_spmm_csl(long long x, long long values, long long locs, long lon
   a.vcap = ((max_tile_len + 7 + 7) / 8) * 8 + 8;
   a.lcap = ((max_tile_len + 15 + 15) / 16) * 16 + 16;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-#if SPT_CSL_KERNEL == 3
-  return dispatch_tokens(n, bf16, [&]<int NT, bool BF16>() {
-    return launch_one<NT, BF16>(spmm_csl_reg_kernel<NT, BF16>, a, csl_smem(a, NT), dim3(tm, split_k), THREADS, s);
-  });
-#else
   return dispatch_tokens(n, bf16, [&]<int NT, bool BF16>() { return launch_t<NT, BF16>(a, tm, split_k, s); });
-#endif
 }
 
 }  // extern "C"
