@@ -21,6 +21,8 @@ import traceback
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -96,6 +98,28 @@ def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a - ref).norm().item() / den if den > 0 else (a - ref).norm().item()
 
 
+@triton.jit
+def _l2_read_kernel(x_ptr, out_ptr, n, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        start = ((pid + i * nprog) * BLOCK) % n
+        acc += tl.load(x_ptr + start + tl.arange(0, BLOCK))
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def l2_read_bandwidth() -> float:
+    """TB/s that all SMs together read from a 16 MB buffer resident in L2 (each program sums 64 blocks of 16 KB
+    and stores one float): the L2 ceiling of the round-9 count in docs/blocksparse.md."""
+    block, iters = 4096, 64
+    x = torch.randn(4 * 1024**2, device=DEV)  # 16 MB: a multiple of the block, well inside L2
+    grid = 16 * torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(grid, device=DEV)
+    t = bench(lambda: _l2_read_kernel[(grid,)](x, out, x.numel(), ITERS=iters, BLOCK=block, num_warps=8))
+    return grid * iters * block * 4 / (t * 1e-3) / 1e12
+
+
 # ---- sections -------------------------------------------------------------------------------------
 def sec_env(args) -> dict:
     import triton
@@ -109,9 +133,10 @@ def sec_env(args) -> dict:
     out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "sms": torch.cuda.get_device_properties(0).multi_processor_count,
            "bf16_gemm_tflops": 2 * 8192**3 / t / 1e9, "copy_TBps": 2 * 2 * 1024**3 / (tc * 1e-3) / 1e12,
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+           "l2_read_TBps": l2_read_bandwidth(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     say(f"{out['gpu']} torch {out['torch']} triton {out['triton']} SMs {out['sms']}: "
-        f"bf16 GEMM {out['bf16_gemm_tflops']:.0f} TFLOP/s, copy {out['copy_TBps']:.2f} TB/s")
+        f"bf16 GEMM {out['bf16_gemm_tflops']:.0f} TFLOP/s, copy {out['copy_TBps']:.2f} TB/s, "
+        f"L2 read {out['l2_read_TBps']:.2f} TB/s")
     return out
 
 
