@@ -122,8 +122,6 @@ def l2_read_bandwidth() -> float:
 
 # ---- sections -------------------------------------------------------------------------------------
 def sec_env(args) -> dict:
-    import triton
-
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     t = bench(lambda: a @ b)
