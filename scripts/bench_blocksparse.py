@@ -675,7 +675,7 @@ def sec_host(args) -> dict:
         out[name + "_us"] = [wall_us(fn) for _ in range(3)]
         say(f"host {name}: " + " / ".join(f"{u:.1f}" for u in out[name + "_us"]) + " µs per call (3 repeats)")
     # the same calls with every launch through Triton's dispatcher (no direct calls of the compiled kernels)
-    from sparsetrain.kernels import _triton_launch
+    from sparsetrain.kernels._runtime import triton_launch as _triton_launch
 
     enabled, _triton_launch.ENABLED = _triton_launch.ENABLED, False
     meta._groups.pop("plans", None)

@@ -689,7 +689,7 @@ def test_ctypes_signatures_match_the_cuda_sources():
     import ctypes
     import re
 
-    from sparsetrain.kernels import _cuda
+    from sparsetrain.kernels._runtime import cuda_build as _cuda
 
     src = "".join(p.read_text() for p in sorted(_cuda.CSRC.glob("*.cu")))
     kinds = {"long long": ctypes.c_longlong, "int": ctypes.c_int}
@@ -702,7 +702,7 @@ def test_ctypes_signatures_match_the_cuda_sources():
 
 def _kept_launches(meta: BlockSparseMeta) -> list:
     """The KernelLaunch objects of a meta's cached plans that hold a compiled kernel (direct calls)."""
-    from sparsetrain.kernels._triton_launch import KernelLaunch
+    from sparsetrain.kernels._runtime.triton_launch import KernelLaunch
 
     out = []
     for plan in meta._groups.get("plans", {}).values():
@@ -719,7 +719,7 @@ def test_gpu_direct_launches_match_the_dispatcher(kind, monkeypatch):
     """Plans call the compiled kernel directly after the first launch: bitwise the same outputs and gradients
     as through Triton's dispatcher, over repeated calls, new buffers and a misaligned input (which must take
     the dispatcher again)."""
-    from sparsetrain.kernels import _triton_launch
+    from sparsetrain.kernels._runtime import triton_launch as _triton_launch
 
     monkeypatch.setattr(bs, "TMA_HOST_DESC", kind == "tma_host_desc")
     b = 64
@@ -915,7 +915,7 @@ def test_dense_margin_from_the_environment_is_checked(monkeypatch):
 
 
 def test_raw_stream_reads_the_device_index(monkeypatch):
-    from sparsetrain.kernels import _device
+    from sparsetrain.kernels._runtime import device as _device
 
     monkeypatch.setattr(_device, "_RAW_STREAM", lambda idx: 1000 + idx)
     assert _device.raw_stream(torch.device("cuda", 3)) == 1003
@@ -923,7 +923,7 @@ def test_raw_stream_reads_the_device_index(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_raw_stream_is_the_current_stream():
-    from sparsetrain.kernels._device import raw_stream
+    from sparsetrain.kernels._runtime.device import raw_stream
 
     dev = torch.device("cuda", torch.cuda.current_device())
     assert raw_stream(dev) == torch.cuda.current_stream(dev).cuda_stream

@@ -185,7 +185,7 @@ def test_gpu_split_k_is_deterministic_enough_and_complete():
 
 # ---------------------------------------------------------------- CUDA C++ kernel (csrc/spmm_bitmap.cu)
 def test_cuda_kernel_is_off_without_cuda_or_nvcc(monkeypatch):
-    from sparsetrain.kernels import _cuda
+    from sparsetrain.kernels._runtime import cuda_build as _cuda
     x = torch.randn(4, 64)
     cw = compress(torch.randn(32, 64))
     assert not si.cuda_kernel_usable(x, cw)  # CPU tensors never take the CUDA kernel

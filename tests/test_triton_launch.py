@@ -3,8 +3,8 @@ the arguments keep the specialization the dispatcher chose (CPU: a stand-in for 
 import pytest
 import torch
 
-from sparsetrain.kernels import _triton_launch as tl_launch
-from sparsetrain.kernels._triton_launch import KernelLaunch
+from sparsetrain.kernels._runtime import triton_launch as tl_launch
+from sparsetrain.kernels._runtime.triton_launch import KernelLaunch
 
 
 class _Hooks:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels._device import num_sms, raw_stream, smem_optin
+from sparsetrain.kernels._runtime.device import num_sms, raw_stream, smem_optin
 
 BLOCKS = (16, 32)
 
@@ -39,7 +39,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _lib(device: torch.device):
-    from sparsetrain.kernels import _cuda
+    from sparsetrain.kernels._runtime import cuda_build as _cuda
 
     return _cuda.load("bs_dds", device)  # argument types: _cuda.SIGNATURES
 
@@ -239,7 +239,7 @@ STRIP_BLOCKS = 32  # widest column strip a CTA stages of its strip operand (in b
 
 
 def _dw_lib(device: torch.device):
-    from sparsetrain.kernels import _cuda
+    from sparsetrain.kernels._runtime import cuda_build as _cuda
 
     return _cuda.load("bs_dw", device)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsetrain.kernels._device import num_sms, raw_stream
+from sparsetrain.kernels._runtime.device import num_sms, raw_stream
 
 MAX_TOKENS = 64  # largest N the skinny kernels take
 _WORKSPACE: dict[tuple, tuple[Tensor, Tensor]] = {}

@@ -50,8 +50,8 @@ from sparsetrain.kernels._blocksparse_cuda import (
     CudaKsConfig,
     CudaKsPlan,
 )
-from sparsetrain.kernels._device import num_sms
-from sparsetrain.kernels._triton_launch import KernelLaunch
+from sparsetrain.kernels._runtime.device import num_sms
+from sparsetrain.kernels._runtime.triton_launch import KernelLaunch
 from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
 from sparsetrain.sparsity.layout import Block
 
@@ -547,7 +547,7 @@ class _DenseDwPlan:
 # dtypes. It is worked out once per such key into a _Plan kept on the metadata (``meta._groups["plans"]``,
 # dropped with it when the topology changes); a steady-state call then does one dict lookup, one output
 # allocation and the launch, which calls the compiled kernel directly after the first time
-# (:class:`~sparsetrain.kernels._triton_launch.KernelLaunch`: 8.4 instead of 18.5 µs per launch on the H200
+# (:class:`~sparsetrain.kernels._runtime.triton_launch.KernelLaunch`: 8.4 instead of 18.5 µs per launch on the H200
 # host with Triton 3.6, docs/blocksparse.md round 6).
 class _Plan:
     """One launch of one kernel with everything but the data pointers fixed: ``args`` holds the kernel's

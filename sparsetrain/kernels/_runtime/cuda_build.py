@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).with_name("csrc")
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _LIBS: dict[tuple, ctypes.CDLL | None] = {}
 
 

@@ -1,0 +1,75 @@
+"""KernelOptions: the few choices a user may make about the GPU kernels, typed and resolved once.
+
+A run sets them from its config (``trainer.kernels.*``) at setup with :func:`set_kernel_options`; a script or
+a test scopes a change with :func:`use_kernel_options`. Kernels read :func:`kernel_options` when they pick a
+path. Defaults are the measured best (docs/benchmarks/); nothing here is read from the environment.
+
+>>> with use_kernel_options(dense_fallback=False):
+...     kernel_options().dense_fallback
+False
+>>> kernel_options().dense_fallback
+True
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+
+SPMM_BACKENDS = ("auto", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """What a user may choose about the kernels (see each field); invalid values raise naming the field."""
+
+    #: Time the hand-written CUDA kernels beside the Triton ones (needs ``nvcc``; off skips the JIT build).
+    cuda_kernels: bool = True
+    #: Let the per-shape tuner pick cuBLAS on the dense weight where the block kernels are not faster.
+    dense_fallback: bool = True
+    #: A block kernel is kept only when its GPU time is below ``dense_margin`` x dense's (it also costs more
+    #: host work per call); 1.0 takes the plain fastest. In (0, 1].
+    dense_margin: float = 0.85
+    #: Launch compiled Triton kernels directly, skipping Triton's dispatcher when nothing it decides changed.
+    fast_launch: bool = True
+    #: Inference SpMM: ``auto`` uses the CUDA kernels where built, ``triton`` always the Triton kernel.
+    spmm_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise ValueError(f"{f.name}: must be true or false, got {value!r}")
+        m = self.dense_margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1:
+            raise ValueError(f"dense_margin: must be a number in (0, 1], got {m!r}")
+        if self.spmm_backend not in SPMM_BACKENDS:
+            raise ValueError(f"spmm_backend: must be one of {list(SPMM_BACKENDS)}, got {self.spmm_backend!r}")
+
+
+_CURRENT = [KernelOptions()]
+
+
+def kernel_options() -> KernelOptions:
+    """The options in force."""
+    return _CURRENT[0]
+
+
+def set_kernel_options(options: KernelOptions | None = None, **changes) -> KernelOptions:
+    """Put ``options`` (default: the current ones) with ``changes`` applied in force; return the previous."""
+    previous = _CURRENT[0]
+    base = previous if options is None else options
+    if not isinstance(base, KernelOptions):
+        raise TypeError(f"options must be a KernelOptions, got {type(base).__name__}")
+    _CURRENT[0] = replace(base, **changes) if changes else base
+    return previous
+
+
+@contextmanager
+def use_kernel_options(**changes) -> Iterator[KernelOptions]:
+    """Apply ``changes`` inside a ``with`` block (tests, benchmarks), then restore the previous options."""
+    previous = set_kernel_options(**changes)
+    try:
+        yield kernel_options()
+    finally:
+        _CURRENT[0] = previous
