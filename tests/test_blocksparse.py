@@ -5,6 +5,8 @@ On the CPU the kernels run under TRITON_INTERPRET=1 (set by conftest) at small s
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -691,7 +693,7 @@ def test_ctypes_signatures_match_the_cuda_sources():
 
     from sparsetrain.kernels._runtime import cuda_build as _cuda
 
-    src = "".join(p.read_text() for p in sorted(_cuda.CSRC.glob("*.cu")))
+    src = "".join(p.read_text() for p in sorted((Path(bs.__file__).parent / "csrc").glob("*.cu")))
     kinds = {"long long": ctypes.c_longlong, "int": ctypes.c_int}
     for name, argtypes in _cuda.SIGNATURES.items():
         m = re.search(rf"\bint {name}\(([^)]*)\)", src)

@@ -185,14 +185,15 @@ def test_gpu_split_k_is_deterministic_enough_and_complete():
 
 # ---------------------------------------------------------------- CUDA C++ kernel (csrc/spmm_bitmap.cu)
 def test_cuda_kernel_is_off_without_cuda_or_nvcc(monkeypatch):
+    from sparsetrain.kernels import _launch, use_kernel_options
     from sparsetrain.kernels._runtime import cuda_build as _cuda
     x = torch.randn(4, 64)
     cw = compress(torch.randn(32, 64))
     assert not si.cuda_kernel_usable(x, cw)  # CPU tensors never take the CUDA kernel
-    assert _cuda.load("spmm_bitmap", torch.device("cpu")) is None
-    monkeypatch.setenv("SPARSETRAIN_CUDA_KERNELS", "0")
-    assert _cuda.load("spmm_bitmap", torch.device("cuda", 0)) is None
-    assert (_cuda.CSRC / "spmm_bitmap.cu").is_file()  # shipped with the package
+    assert _cuda.load(_launch.CSRC / "spmm_bitmap.cu", torch.device("cpu")) is None
+    with use_kernel_options(cuda_kernels=False):
+        assert _cuda.load(_launch.CSRC / "spmm_bitmap.cu", torch.device("cuda", 0)) is None
+    assert (_launch.CSRC / "spmm_bitmap.cu").is_file()  # shipped with the package
 
 
 @pytest.mark.gpu

@@ -10,12 +10,15 @@ shape, so adding them never makes a layer slower than before. 16x16 and 32x32 bl
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from sparsetrain.kernels._runtime.device import num_sms, raw_stream, smem_optin
+
+CSRC = Path(__file__).resolve().parent / "csrc"
 
 BLOCKS = (16, 32)
 
@@ -41,7 +44,7 @@ def _cdiv(a: int, b: int) -> int:
 def _lib(device: torch.device):
     from sparsetrain.kernels._runtime import cuda_build as _cuda
 
-    return _cuda.load("bs_dds", device)  # argument types: _cuda.SIGNATURES
+    return _cuda.load(CSRC / "bs_dds.cu", device)  # argument types: _cuda.SIGNATURES
 
 
 def _rows16(t: Tensor) -> Tensor:
@@ -241,7 +244,7 @@ STRIP_BLOCKS = 32  # widest column strip a CTA stages of its strip operand (in b
 def _dw_lib(device: torch.device):
     from sparsetrain.kernels._runtime import cuda_build as _cuda
 
-    return _cuda.load("bs_dw", device)
+    return _cuda.load(CSRC / "bs_dw.cu", device)
 
 
 def dw_table(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]:

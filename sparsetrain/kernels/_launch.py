@@ -3,6 +3,7 @@ X alignment for the CUDA kernels, and per-weight cached tile lengths."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from sparsetrain.kernels._runtime.device import num_sms, raw_stream
+
+CSRC = Path(__file__).resolve().parent / "csrc"
 
 MAX_TOKENS = 64  # largest N the skinny kernels take
 _WORKSPACE: dict[tuple, tuple[Tensor, Tensor]] = {}
@@ -125,7 +128,7 @@ def cuda_usable(x2: Tensor, weight, lib: str) -> bool:
             or not aligned(weight)):
         return False
     from . import _cuda
-    return _cuda.load(lib, x2.device) is not None
+    return _cuda.load(CSRC / f"{lib}.cu", x2.device) is not None
 
 
 def run_cuda(lib: str, format_ptrs: tuple[int, int, int], weight, x2: Tensor, bias: Tensor | None,
@@ -134,7 +137,7 @@ def run_cuda(lib: str, format_ptrs: tuple[int, int, int], weight, x2: Tensor, bi
     ``sparsetrain_<lib>`` entry point through :func:`launch_cuda`."""
     from . import _cuda
 
-    so = _cuda.load(lib, x2.device, defines)
+    so = _cuda.load(CSRC / f"{lib}.cu", x2.device, defines)
     if so is None:
         raise RuntimeError(f"the CUDA kernel {lib} is unavailable here (no nvcc or no GPU)")
     if x2.dtype != weight.dtype:

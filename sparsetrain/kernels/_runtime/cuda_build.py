@@ -1,11 +1,12 @@
-"""Builds and loads sparsetrain's CUDA C++ kernels (``kernels/csrc/*.cu``) on first use.
+"""Builds and loads sparsetrain's CUDA C++ kernels (each op's ``csrc/*.cu``) on first use.
 
 The sources take plain pointers and a stream as integers and are called through :mod:`ctypes`, so no torch
 headers or pybind are compiled (a build is one ``nvcc`` call of a few seconds). The shared library is cached
 under ``$SPARSETRAIN_CACHE`` (default ``~/.cache/sparsetrain``)/``kernels``, keyed by the source, the GPU
 architecture and the nvcc version, and written atomically (temp file + rename), so concurrent processes are
 safe. Without ``nvcc`` (or when a build fails) :func:`load` returns ``None`` with a warning, once, and callers
-keep their Triton path. ``SPARSETRAIN_CUDA_KERNELS=0`` turns these kernels off.
+keep their Triton path. ``KernelOptions.cuda_kernels=False`` (``trainer.kernels.cuda_kernels``) turns them off.
+Sources include ``common.cuh`` from this package's ``csrc/``.
 """
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+from sparsetrain.kernels._runtime.options import kernel_options
+
+INCLUDE = Path(__file__).resolve().parent / "csrc"  # common.cuh, shared by every op's sources
 _LIBS: dict[tuple, ctypes.CDLL | None] = {}
 
 
@@ -38,7 +41,7 @@ def cache_dir() -> Path:
 
 
 def enabled() -> bool:
-    return os.environ.get("SPARSETRAIN_CUDA_KERNELS", "1") != "0"
+    return kernel_options().cuda_kernels
 
 
 def _arch(device: torch.device) -> str:
@@ -46,12 +49,12 @@ def _arch(device: torch.device) -> str:
     return f"{major}{minor}"
 
 
-def build(name: str, arch: str, nvcc: str, defines: tuple[str, ...] = ()) -> Path:
-    """Compiles ``csrc/<name>.cu`` for ``sm_<arch>`` into the cache (if not there yet); returns the .so path.
-    ``defines`` (e.g. ``("SPT_MIN_BLOCKS=8",)``) become ``-D`` flags and part of the cache key."""
-    src = CSRC / f"{name}.cu"
+def build(src: Path, arch: str, nvcc: str, defines: tuple[str, ...] = ()) -> Path:
+    """Compiles the CUDA source ``src`` for ``sm_<arch>`` into the cache (if not there yet); returns the .so path.
+    ``defines`` (``("NAME=VALUE",)``) become ``-D`` flags and part of the cache key."""
+    name = src.stem
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.cuh")))
+    headers = b"".join(h.read_bytes() for h in sorted([*INCLUDE.glob("*.cuh"), *src.parent.glob("*.cuh")]))
     key = hashlib.sha256(src.read_bytes() + headers + arch.encode() + version.encode()
                          + repr(sorted(defines)).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-sm{arch}-{key}.so"
@@ -61,7 +64,8 @@ def build(name: str, arch: str, nvcc: str, defines: tuple[str, ...] = ()) -> Pat
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [nvcc, "-O3", "-std=c++20", "-shared", "-Xcompiler", "-fPIC", "-lineinfo",
-           f"-gencode=arch=compute_{arch},code=sm_{arch}", *(f"-D{d}" for d in defines), "-o", tmp, str(src)]
+           f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-I{INCLUDE}", *(f"-D{d}" for d in defines), "-o", tmp,
+           str(src)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
@@ -96,19 +100,20 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def load(name: str, device: torch.device, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """The compiled ``csrc/<name>.cu`` for ``device`` (built on first call), or None where unavailable.
+def load(src: Path, device: torch.device, defines: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled CUDA source ``src`` for ``device`` (built on first call), or None where unavailable.
     Called on every kernel launch: after the first call it is one dictionary lookup."""
+    name = src.stem
     if device.type != "cuda":
         return None
-    fast_key = (name, device.index, defines)
-    if fast_key in _FAST:
-        return _FAST[fast_key]
     if not enabled():
         return None
+    fast_key = (src, device.index, defines)
+    if fast_key in _FAST:
+        return _FAST[fast_key]
     idx = device.index if device.index is not None else torch.cuda.current_device()
     arch = _arch(torch.device("cuda", idx))
-    key = (name, int(arch), tuple(sorted(defines)))
+    key = (src, int(arch), tuple(sorted(defines)))
     if key not in _LIBS:
         lib = None
         nvcc = nvcc_path()
@@ -117,7 +122,7 @@ def load(name: str, device: torch.device, defines: tuple[str, ...] = ()) -> ctyp
                           stacklevel=3)
         else:
             try:
-                lib = _declare(ctypes.CDLL(str(build(name, arch, nvcc, defines))))
+                lib = _declare(ctypes.CDLL(str(build(src, arch, nvcc, defines))))
             except (OSError, RuntimeError, subprocess.SubprocessError) as e:
                 warnings.warn(f"sparsetrain: could not build the CUDA kernel '{name}' ({e!s:.500}); "
                               "using the Triton path", stacklevel=3)
