@@ -27,8 +27,8 @@ class KernelOptions:
     cuda_kernels: bool = True
     #: Let the per-shape tuner pick cuBLAS on the dense weight where the block kernels are not faster.
     dense_fallback: bool = True
-    #: A block kernel is kept only when its GPU time is below ``dense_margin`` x dense's (it also costs more
-    #: host work per call); 1.0 takes the plain fastest. In (0, 1].
+    #: The dense fallback is picked only when its GPU time is below ``dense_margin`` x the best block kernel's
+    #: (the tuner times GPU work only); 1.0 takes the plain fastest. In (0, 1].
     dense_margin: float = 0.85
     #: Launch compiled Triton kernels directly, skipping Triton's dispatcher when nothing it decides changed.
     fast_launch: bool = True
