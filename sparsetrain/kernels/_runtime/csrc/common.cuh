@@ -1,4 +1,4 @@
-// Device helpers shared by sparsetrain's CUDA kernels (spmm_bitmap.cu, spmm_csl.cu).
+// Device helpers shared by sparsetrain's CUDA kernels (spmm/csrc/spmm_bitmap.cu, spmm_csl.cu, spmm_pair.cu).
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -7,18 +7,15 @@
 
 #include <type_traits>
 
-// Blocks per multiprocessor the compiler must fit (a register cap), for N <= 16 tokens and for more; build-time
-// knobs for experiments (_cuda.load(..., defines=("SPT_MIN_BLOCKS=8",))). Measured on an H200 (N = 16,
-// bench_inference.py --cuda-waves, 2026-11-21): a cap of 8 blocks took 3-13% off the N <= 16 kernels;
-// for larger N it makes ptxas spill, so those keep no cap.
-#ifndef SPT_MIN_BLOCKS
-#define SPT_MIN_BLOCKS 1
-#endif
-#ifndef SPT_MIN_BLOCKS_SMALL_N
-#define SPT_MIN_BLOCKS_SMALL_N 8
-#endif
-
 namespace sparsetrain {
+
+// Blocks per multiprocessor the compiler must fit (a register cap) in the skinny-SpMM kernels, for N <= 16 tokens
+// (NT <= 2 n8 tiles) and for more. A cap of 8 blocks takes 3-13% off the N <= 16 kernels on an H200; for larger
+// N it makes ptxas spill, so those keep no cap (docs/history/inference.md).
+constexpr int MIN_BLOCKS_SMALL_N = 8;
+constexpr int MIN_BLOCKS = 1;
+template <int NT>
+constexpr int min_blocks() { return NT <= 2 ? MIN_BLOCKS_SMALL_N : MIN_BLOCKS; }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));

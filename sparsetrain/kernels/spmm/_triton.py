@@ -1,6 +1,6 @@
 """Triton kernels for skinny sparse inference: ``Y = X·Wᵀ`` with ``W`` stored as bitmap + packed values.
 
-Format (built by :func:`sparsetrain.kernels.spmm_infer.compress`): ``W [M, K]`` is cut into tiles of
+Format (built by :func:`sparsetrain.kernels.spmm.bitmap.compress_bitmap`): ``W [M, K]`` is cut into tiles of
 ``BM x 64`` (``BM`` rows of ``W``, 64 input features). Per tile:
 
 - ``bitmap`` (8 bytes per tile row): bit ``j`` of byte ``c`` of row ``r`` says whether ``W[r, 8c + j]`` != 0;
@@ -17,13 +17,13 @@ column, with a few multiplies (SWAR): the bits are spread to one byte each, a mu
 them into every higher byte, and an AND with the spread bits times 0xFF zeroes the clear columns. Each
 column then costs one byte extract, one IMAD.WIDE address and one *unpredicated* 2-byte load: the zero slot
 turns "absent" into an ordinary load, and the stored row offsets remove every cross-thread prefix scan
-(docs/inference.md has the instruction counts of the versions tried). The 8 column tensors are stacked with
+(docs/history/inference.md has the instruction counts of the versions tried). The 8 column tensors are stacked with
 ``tl.join`` into the dense ``[BM, 64]`` tile that ``tl.dot`` multiplies on the tensor cores: the zeros cost
 math but no bytes.
 
 Measured on an H200 this kernel runs at 0.3-0.6x of cuBLAS reading the dense fp16 weight, at every sparsity
 tried: each weight element costs about 10 SASS instructions (128-row tiles) including one scattered 2-byte
-load, and Nsight Compute shows the L1/TEX pipe 84% busy while DRAM is 12% busy. docs/inference.md has
+load, and Nsight Compute shows the L1/TEX pipe 84% busy while DRAM is 12% busy. docs/history/inference.md has
 the numbers and what could close the gap. The format is still 3-5x smaller than dense.
 """
 from __future__ import annotations
@@ -161,7 +161,7 @@ def spmm_bitmap_kernel(
     n_ok = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     # A hand-written software pipeline (values of tile kt+1 and metadata of kt+2 in flight while tile kt is
-    # multiplied, two tiles per iteration) was measured no faster than this plain loop (docs/inference.md).
+    # multiplied, two tiles per iteration) was measured no faster than this plain loop (docs/history/inference.md).
     for kt in range(kt_begin, kt_end):
         tile = pid_m * num_k_tiles + kt
         start, row_off, w_lo, w_hi = _tile_meta(bitmap32_ptr, row_off_ptr, tile_off_ptr, tile, BM)
@@ -224,7 +224,7 @@ def decode_bitmap_kernel(
 def decode_pair_kernel(
     bitmap_ptr,    # int32 [TM, TK, BM]: bit p of a row = pair p (columns 2p, 2p + 1) stored
     row_off_ptr,   # int16 [TM, TK, BM]: each row's first value relative to its tile's first
-    values_ptr,    # stored pairs (spmm_pair.PairWeight.values)
+    values_ptr,    # stored pairs (pair.PairWeight.values)
     tile_off_ptr,  # int32 [TM, TK]: first value of each tile
     out_ptr,       # [M, K] dense output, row stride stride_om, unit column stride; every element written
     M, K, stride_om, num_k_tiles,
@@ -253,7 +253,7 @@ def decode_pair_kernel(
 
 @triton.jit
 def decode_csl_kernel(
-    values_ptr,    # the nonzeros, tile by tile, sub-tile by sub-tile (spmm_csl.CslWeight.values)
+    values_ptr,    # the nonzeros, tile by tile, sub-tile by sub-tile (csl.CslWeight.values)
     locs_ptr,      # uint8 per value: 16 * (r % 16) + c % 16 inside its 16 x 16 sub-tile
     sub_off_ptr,   # int16 [TM, TK, 32]: first value of each sub-tile relative to its tile's first
     tile_off_ptr,  # int32 [TM, TK]: first value of each tile

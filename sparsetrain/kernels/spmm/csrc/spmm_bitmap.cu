@@ -1,8 +1,8 @@
 // Skinny SpMM Y[N, M] = X[N, K] · W[M, K]ᵀ (+ bias) with W in sparsetrain's bitmap format
-// (sparsetrain/kernels/spmm_infer.py: 128 x 64 tiles; per tile row a 64-bit bitmap, an int16 offset of the
+// (sparsetrain/kernels/spmm/bitmap.py: 128 x 64 tiles; per tile row a 64-bit bitmap, an int16 offset of the
 // row's zero slot, then the row's nonzeros; per tile an int32 offset into `values`).
 //
-// Why CUDA and not Triton for this one: the Triton kernel (_spmm_infer_triton.py) has to build the dense
+// Why CUDA and not Triton for this one: the Triton kernel (spmm/_triton.py) has to build the dense
 // [128, 64] tile as a register tensor, which costs ~10 instructions and one scattered global load per weight
 // element (L1/TEX-bound, 0.3-0.6x of cuBLAS on an H200). Here
 //   1. each tile's packed values are copied into shared memory with 16-byte cp.async (coalesced, one
@@ -16,8 +16,8 @@
 // No dense tile is ever written anywhere. Split-K: fp32 partials are added atomically into a workspace and
 // the last block of a row tile (arrival counter) writes Y and re-zeroes its part of the workspace.
 //
-// Built at first use by sparsetrain/kernels/_cuda.py with nvcc for the GPU's own architecture and called
-// through ctypes (no torch headers): every pointer and the stream come in as integers.
+// Built at first use by sparsetrain/kernels/_runtime/cuda_build.py with nvcc for the GPU's own architecture
+// and called through ctypes (no torch headers): every pointer and the stream come in as integers.
 #include "common.cuh"
 
 namespace {
@@ -60,7 +60,7 @@ __device__ __forceinline__ int stage_tile(const Args& a, const XCopies<NT>& xc, 
 }
 
 template <int NT, bool BF16>
-__global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SPT_MIN_BLOCKS) spmm_bitmap_mma_kernel(const Args a) {
+__global__ void __launch_bounds__(THREADS, min_blocks<NT>()) spmm_bitmap_mma_kernel(const Args a) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Per stage: [value window (vcap halves)] [X slice (NT*8 x XS_STRIDE halves)] [bitmap 1 KB] [row offsets]

@@ -1,5 +1,5 @@
 // Skinny SpMM Y[N, M] = X[N, K] · W[M, K]ᵀ (+ bias) with W in tiled CSL with byte locations
-// (sparsetrain/kernels/spmm_csl.py: 128 x 64 tiles of 32 sub-tiles 16 x 16; per nonzero a value and a one-byte
+// (sparsetrain/kernels/spmm/csl.py: 128 x 64 tiles of 32 sub-tiles 16 x 16; per nonzero a value and a one-byte
 // position inside its sub-tile; int16 sub-tile offsets; int32 tile offsets).
 //
 // Work per nonzero, not per weight element (Flash-LLM's "load as sparse, compute as dense"):
@@ -83,7 +83,7 @@ __device__ __forceinline__ void zero_slab(uint16_t* as, int lane) {
 }
 
 template <int NT, bool BF16>
-__global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SPT_MIN_BLOCKS) spmm_csl_mma_kernel(const Args a) {
+__global__ void __launch_bounds__(THREADS, min_blocks<NT>()) spmm_csl_mma_kernel(const Args a) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int x_halves = NT * 8 * XS_STRIDE;

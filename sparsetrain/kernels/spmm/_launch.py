@@ -10,11 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparsetrain.kernels._runtime import cuda_build
 from sparsetrain.kernels._runtime.device import num_sms, raw_stream
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 MAX_TOKENS = 64  # largest N the skinny kernels take
+# Blocks per multiprocessor the CUDA kernels' split-K aims for: 4 / 8 / 16 measured within 3-10% of each other on
+# an H200, 8 the best on the smaller shape (docs/history/inference.md).
+CUDA_WAVES = 8
 _WORKSPACE: dict[tuple, tuple[Tensor, Tensor]] = {}
 
 
@@ -127,19 +131,16 @@ def cuda_usable(x2: Tensor, weight, lib: str) -> bool:
     if (not x2.is_cuda or x2.dtype not in (torch.float16, torch.bfloat16) or not 1 <= x2.shape[0] <= MAX_TOKENS
             or not aligned(weight)):
         return False
-    from . import _cuda
-    return _cuda.load(CSRC / f"{lib}.cu", x2.device) is not None
+    return cuda_build.load(CSRC / f"{lib}.cu", x2.device) is not None
 
 
 def run_cuda(lib: str, format_ptrs: tuple[int, int, int], weight, x2: Tensor, bias: Tensor | None,
-             split_k: int | None, waves: float, defines: tuple[str, ...] = ()) -> Tensor:
+             split_k: int | None) -> Tensor:
     """Loads ``csrc/<lib>.cu`` (built on first use), checks X's dtype against the weight's and launches its
-    ``sparsetrain_<lib>`` entry point through :func:`launch_cuda`."""
-    from . import _cuda
-
-    so = _cuda.load(CSRC / f"{lib}.cu", x2.device, defines)
+    ``sparsetrain_<lib>`` entry point through :func:`launch_cuda` (split-K aimed at ``CUDA_WAVES``)."""
+    so = cuda_build.load(CSRC / f"{lib}.cu", x2.device)
     if so is None:
         raise RuntimeError(f"the CUDA kernel {lib} is unavailable here (no nvcc or no GPU)")
     if x2.dtype != weight.dtype:
         raise TypeError(f"x dtype {x2.dtype} differs from the weight dtype {weight.dtype}")
-    return launch_cuda(getattr(so, f"sparsetrain_{lib}"), lib, format_ptrs, weight, x2, bias, split_k, waves)
+    return launch_cuda(getattr(so, f"sparsetrain_{lib}"), lib, format_ptrs, weight, x2, bias, split_k, CUDA_WAVES)

@@ -1,6 +1,6 @@
 """Tiled CSL with byte locations: the inference format for very sparse weights (>= ~88% zeros).
 
-``W [M, K]`` is cut into the same ``128 x 64`` tiles as the bitmap format (:mod:`spmm_infer`), each tile into
+``W [M, K]`` is cut into the same ``128 x 64`` tiles as the bitmap format (:mod:`.bitmap`), each tile into
 32 sub-tiles of ``16 x 16`` (sub-tile ``s = 4 * (r // 16) + c // 16`` inside the tile). Per nonzero: its value
 (2 bytes) and its position inside the sub-tile as one byte (``16 * (r % 16) + c % 16``); per sub-tile an int16
 offset of its first nonzero relative to the tile's first; per tile an int32 offset. Bytes per element:
@@ -10,8 +10,8 @@ sparsity (0.31 vs 0.39 B/elem at 90%). Flash-LLM's tiled CSL stores 2-byte locat
 
 Why it exists: its kernel (``csrc/spmm_csl.cu``) does work per *nonzero* (scatter into a zeroed shared-memory
 tile, then dense ``ldmatrix`` + ``mma.sync``), while the bitmap kernels decode every weight element. So where
-few elements are nonzero it moves fewer bytes *and* issues fewer instructions. :func:`compress_auto` picks the
-format with fewer bytes.
+few elements are nonzero it moves fewer bytes *and* issues fewer instructions. ``compress(w, fmt="auto")`` (:mod:`.op`)
+picks the format with fewer bytes.
 """
 from __future__ import annotations
 
@@ -22,79 +22,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels import _launch
+from sparsetrain.kernels.spmm import _launch
+from sparsetrain.kernels.spmm.weight import TILE_K, TILE_M, CompressedWeight, padded_tiles
 
-TILE_M, TILE_K, SUB = 128, 64, 16
+SUB = 16  # sub-tiles are SUB x SUB: a position inside one fits a byte
 N_SUB = (TILE_M // SUB) * (TILE_K // SUB)  # 32 sub-tiles per tile
-CUDA_WAVES = 8  # blocks per multiprocessor the split-K aims for
-
-
-class CompressedWeight:
-    """What the compressed inference weights share: a ``shape``, ``values`` and named ``tensors()`` that
-    ``from_tensors`` turns back into the weight."""
-
-    shape: tuple[int, int]
-    values: Tensor
-
-    @property
-    def nnz(self) -> int:
-        return self.values.numel()
-
-    @property
-    def sparsity(self) -> float:
-        """Fraction of exact zeros in the ``M x K`` weight."""
-        m, k = self.shape
-        return 1.0 - self.nnz / max(m * k, 1)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.values.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
-
-    TENSORS: ClassVar[tuple[str, ...]] = ()  # the stored tensors' field names, in constructor order
-
-    def tensors(self) -> dict[str, Tensor]:
-        """The stored tensors by name (what a checkpoint saves); see :meth:`from_tensors`."""
-        return {name: getattr(self, name) for name in self.TENSORS}
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, Tensor], shape: tuple[int, int]):
-        """Inverse of :meth:`tensors`."""
-        return cls(**{name: tensors[name] for name in cls.TENSORS}, shape=(int(shape[0]), int(shape[1])),
-                   **cls._derived(tensors))
-
-    @classmethod
-    def _derived(cls, tensors: dict[str, Tensor]) -> dict:
-        """Constructor fields read off the stored tensors (e.g. the tile height), if a format has any."""
-        return {}
-
-    def nbytes(self) -> int:
-        """Bytes of all stored tensors."""
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def to(self, device: torch.device | str):
-        return type(self).from_tensors({name: t.to(device) for name, t in self.tensors().items()}, self.shape)
-
-    def to_dense(self, use_kernel: bool | None = None) -> Tensor:
-        """The exact ``[M, K]`` weight: the format's Triton decode kernel (default on CUDA; what prefill calls,
-        more than 64 tokens) or plain torch ops."""
-        if use_kernel is None:
-            use_kernel = self.values.is_cuda
-        if not use_kernel:
-            return self._to_dense_torch()
-        out = torch.empty(*self.shape, dtype=self.dtype, device=self.device)
-        self._decode_into(out)
-        return out
-
-    def _to_dense_torch(self) -> Tensor:  # pragma: no cover - every format defines it
-        raise NotImplementedError
-
-    def _decode_into(self, out: Tensor) -> None:  # pragma: no cover - every format defines it
-        """Launch the format's Triton decode kernel writing every element of ``out [M, K]``."""
-        raise NotImplementedError
 
 
 @dataclass
@@ -120,7 +52,7 @@ class CslWeight(CompressedWeight):
     TENSORS: ClassVar[tuple[str, ...]] = ("values", "locs", "sub_offsets", "tile_offsets")
 
     def _decode_into(self, out: Tensor) -> None:
-        from ._spmm_infer_triton import decode_csl_kernel
+        from ._triton import decode_csl_kernel
         m, k = self.shape
         tm, tk = self.tile_offsets.shape
         decode_csl_kernel[(tm, tk)](self.values, self.locs, self.sub_offsets, self.tile_offsets, out, m, k,
@@ -152,21 +84,6 @@ def _sub_counts(w: CslWeight) -> Tensor:
     return (sub_end - sub).reshape(tm, tk, N_SUB)
 
 
-def padded_tiles(weight: Tensor) -> tuple[Tensor, int, int]:
-    """Checks a weight to compress (2-D, fp16/bf16/fp32) and zero-pads it to whole ``128 x 64`` tiles:
-    ``(padded [TM*128, TK*64], TM, TK)`` (detached)."""
-    if not isinstance(weight, Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [M, K], got {type(weight).__name__} "
-                         f"{tuple(getattr(weight, 'shape', ()))}")
-    if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"weight dtype must be float16, bfloat16 or float32, got {weight.dtype}")
-    m, k = weight.shape
-    tm, tk = math.ceil(m / TILE_M), math.ceil(k / TILE_K)
-    padded = weight.new_zeros(tm * TILE_M, tk * TILE_K)
-    padded[:m, :k] = weight.detach()
-    return padded, tm, tk
-
-
 def compress_csl(weight: Tensor) -> CslWeight:
     """Builds the tiled-CSL format of a 2-D float weight on its own device (exact zeros dropped)."""
     padded, tm, tk = padded_tiles(weight)
@@ -192,24 +109,17 @@ def csl_bytes(m: int, k: int, nnz: int, elem: int = 2) -> int:
     return nnz * (elem + 1) + tiles * (2 * N_SUB + 4)
 
 
-def bitmap_bytes(m: int, k: int, nnz: int, elem: int = 2, block_m: int = 128) -> int:
-    """Bytes the bitmap format (:func:`spmm_infer.compress`) stores for the same weight."""
-    tm, tk = math.ceil(m / block_m), math.ceil(k / TILE_K)
-    rows = tm * tk * block_m
-    return rows * 8 + (nnz + rows) * elem + rows * 2 + tm * tk * 4
-
 
 def cuda_usable(x2: Tensor, weight: CslWeight) -> bool:
     """Whether :func:`spmm_csl_cuda` takes this call (CUDA, fp16/bf16, 1..64 tokens, aligned tensors, built)."""
     return _launch.cuda_usable(x2, weight, "spmm_csl")
 
 
-def spmm_csl_cuda(x2: Tensor, weight: CslWeight, bias: Tensor | None = None, split_k: int | None = None,
-                  waves: int | None = None, defines: tuple[str, ...] = ()) -> Tensor:
+def spmm_csl_cuda(x2: Tensor, weight: CslWeight, bias: Tensor | None = None, split_k: int | None = None) -> Tensor:
     """``x2 [N, K] @ Wᵀ (+ bias)`` through ``csrc/spmm_csl.cu``; ``1 <= N <= 64``; returns ``[N, M]``."""
     return _launch.run_cuda("spmm_csl",
                             (weight.values.data_ptr(), weight.locs.data_ptr(), weight.sub_offsets.data_ptr()),
-                            weight, x2, bias, split_k, waves or CUDA_WAVES, defines)
+                            weight, x2, bias, split_k)
 
 
 def spmm_csl_reference(x: Tensor, weight: CslWeight, bias: Tensor | None = None) -> Tensor:

@@ -1,6 +1,6 @@
 """Pair bitmap: the inference format that trades bytes for decode speed.
 
-``W [M, K]`` is cut into the bitmap format's ``128 x 64`` tiles (:mod:`spmm_infer`). Inside a tile row the 64
+``W [M, K]`` is cut into the bitmap format's ``128 x 64`` tiles (:mod:`.bitmap`). Inside a tile row the 64
 columns form 32 *pairs* ``(2p, 2p + 1)``; a 32-bit word per tile row has bit ``p`` set when either column of
 pair ``p`` is nonzero, and every such pair is stored whole (two values, the even column first, one of them
 possibly zero). Per tile row an int16 offset of its first value, per tile an int32 offset (both in values,
@@ -11,10 +11,10 @@ at 80%, 1.11 at 70%, against 0.39 / 0.59 / 0.79 for the element bitmap and 0.31 
 Why it exists: a tensor-core A-fragment register of ``mma.sync`` holds exactly one pair of adjacent K
 columns. The element bitmap kernel decodes each element (bit test, rank, address, predicated 2-byte load:
 ~12 instructions per element in its main loop) and is bound by instruction issue, not by bytes, on an H200.
-Here a register costs one byte permute (its rank from a 256-entry lookup table), one add and one predicated
-4-byte load (``csrc/spmm_pair.cu``). :func:`spmm_infer.compress` with ``fmt="pair"`` builds it; ``"auto"``
-still picks by bytes (the memory-first choice), and the benchmark (``scripts/bench_inference.py``) reports all
-three formats side by side.
+Here a register costs one bit test, one POPC under an immediate mask (its rank), one address and one
+predicated 4-byte load (``csrc/spmm_pair.cu``). ``compress(w, fmt="pair")`` (:mod:`.op`) builds it; ``"auto"``
+still picks by bytes (the memory-first choice), and the benchmark (``sparsetrain bench inference``) reports
+all three formats side by side.
 """
 from __future__ import annotations
 
@@ -25,12 +25,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels import _launch
-from sparsetrain.kernels.spmm_csl import CompressedWeight, padded_tiles
+from sparsetrain.kernels.spmm import _launch
+from sparsetrain.kernels.spmm.weight import TILE_K, TILE_M, CompressedWeight, padded_tiles
 
-TILE_M, TILE_K = 128, 64
 PAIRS = TILE_K // 2  # 32: one bitmap word per tile row
-CUDA_WAVES = 8  # blocks per multiprocessor the split-K aims for
 
 
 @dataclass
@@ -62,7 +60,7 @@ class PairWeight(CompressedWeight):
     TENSORS: ClassVar[tuple[str, ...]] = ("bitmap", "values", "row_offsets", "tile_offsets")
 
     def _decode_into(self, out: Tensor) -> None:
-        from ._spmm_infer_triton import decode_pair_kernel
+        from ._triton import decode_pair_kernel
         m, k = self.shape
         tm, tk = self.tile_offsets.shape
         decode_pair_kernel[(tm, tk)](self.bitmap, self.row_offsets, self.values, self.tile_offsets, out,
@@ -117,9 +115,9 @@ def cuda_usable(x2: Tensor, weight: PairWeight) -> bool:
     return _launch.cuda_usable(x2, weight, "spmm_pair")
 
 
-def spmm_pair_cuda(x2: Tensor, weight: PairWeight, bias: Tensor | None = None, split_k: int | None = None,
-                   waves: int | None = None, defines: tuple[str, ...] = ()) -> Tensor:
+def spmm_pair_cuda(x2: Tensor, weight: PairWeight, bias: Tensor | None = None,
+                   split_k: int | None = None) -> Tensor:
     """``x2 [N, K] @ Wᵀ (+ bias)`` through ``csrc/spmm_pair.cu``; ``1 <= N <= 64``; returns ``[N, M]``."""
     return _launch.run_cuda("spmm_pair",
                             (weight.bitmap.data_ptr(), weight.row_offsets.data_ptr(), weight.values.data_ptr()),
-                            weight, x2, bias, split_k, waves or CUDA_WAVES, defines)
+                            weight, x2, bias, split_k)

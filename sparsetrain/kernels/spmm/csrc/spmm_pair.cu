@@ -1,5 +1,5 @@
 // Skinny SpMM Y[N, M] = X[N, K] · W[M, K]ᵀ (+ bias) with W in the pair-bitmap format
-// (sparsetrain/kernels/spmm_pair.py: 128 x 64 tiles; per tile row a 32-bit bitmap with one bit per PAIR of
+// (sparsetrain/kernels/spmm/pair.py: 128 x 64 tiles; per tile row a 32-bit bitmap with one bit per PAIR of
 // adjacent columns (2p, 2p+1), set when either is nonzero; the row's nonzero pairs stored whole, two halves
 // each (low = even column); an int16 offset per row and an int32 offset per tile, both in halves).
 //
@@ -9,7 +9,7 @@
 // mma.sync A-fragment register holds exactly one pair (two adjacent K columns), so storing whole pairs makes
 // the decode one test, one POPC, one address and one predicated 4-byte load per REGISTER: half the work per
 // element. The price is bytes: a nonzero pair stores its zero half too (0.47 B/elem at 90% sparsity against
-// 0.39 for the element bitmap; the selection in spmm_pair.py weighs both).
+// 0.39 for the element bitmap; the format choice in spmm/op.py weighs both).
 //
 // Everything else (staging with cp.async, the permuted K order, split-K, the epilogue) is spmm_bitmap.cu's.
 #include "common.cuh"
@@ -21,12 +21,6 @@ constexpr int BM = 128;       // rows of W per tile
 constexpr int BK = 64;        // columns per tile (32 pairs: one 32-bit bitmap word per row)
 constexpr int THREADS = 128;  // 4 warps x 32 rows each (two m16 fragments)
 constexpr int XS_STRIDE = BK + 4;  // as in spmm_bitmap.cu: conflict-free 8-byte fragment loads
-
-// 0 (default): a pair's rank by mask + POPC; 1: from a 256-entry table (one PRMT). Measured on an H200 (N = 16,
-// 90%, bench_inference.py --cuda-waves, 2026-11-21): the table was 6-10% slower (its loads sit on the critical path).
-#ifndef SPT_PAIR_LUT
-#define SPT_PAIR_LUT 0
-#endif
 
 struct Args : SkinnyArgs {    // n_values, tile_off: in halves (always even)
   const uint32_t* bitmap;   // [TM, TK, 128]: bit p of a row = pair p (columns 2p, 2p+1) stored
@@ -61,7 +55,7 @@ __device__ __forceinline__ int stage_tile(const Args& a, const XCopies<NT>& xc, 
 }
 
 template <int NT, bool BF16>
-__global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SPT_MIN_BLOCKS) spmm_pair_mma_kernel(const Args a) {
+__global__ void __launch_bounds__(THREADS, min_blocks<NT>()) spmm_pair_mma_kernel(const Args a) {
   using T = typename std::conditional<BF16, __nv_bfloat16, __half>::type;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Per stage: [value window (vcap halves)] [X slice (NT*8 x XS_STRIDE halves)] [bitmap 512 B] [row offsets]
@@ -78,20 +72,8 @@ __global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SP
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const uint32_t before_mask = (1u << (8 * t)) - 1u;  // pairs of the lanes t' < t in a bitmap word
-  // LUT of a lane's 8 pair bits -> byte p = 4 x (stored pairs before pair p): one PRMT per pair instead of a
-  // mask + POPC + multiply. (Read only after the first tile's __syncthreads below.)
-#if SPT_PAIR_LUT
-  __shared__ uint2 lut[256];
-  for (int h = threadIdx.x; h < 256; h += THREADS) {
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int p = 0; p < 8; ++p) {
-      const uint32_t o = 4u * __popc(h & ((1u << p) - 1u));
-      if (p < 4) lo |= o << (8 * p); else hi |= o << (8 * (p - 4));
-    }
-    lut[h] = make_uint2(lo, hi);
-  }
-#endif
+  // A pair's rank is a mask + POPC; a 256-entry shared-memory table instead was measured 6-10% slower on an H200
+  // (its loads sit on the critical path; docs/history/inference.md).
 
   float acc[2][NT][4];
 #pragma unroll
@@ -125,9 +107,6 @@ __global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SP
     // order is permuted (as in spmm_bitmap.cu) so that fragment columns {2t, 2t+1} are pair 8t + 2kk and
     // {2t+8, 2t+9} pair 8t + 2kk + 1. A lane's stored pairs of a row are one contiguous run of words.
     uint32_t bits[2][2];
-#if SPT_PAIR_LUT
-    uint2 offs[2][2];    // byte p: byte offset of pair p's word in the run (LUT)
-#endif
     uint32_t run[2][2];  // shared-memory byte address of the run's first word
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
@@ -136,9 +115,6 @@ __global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SP
         const int r = warp * 32 + mt * 16 + g + 8 * rr;
         const uint32_t word = sbm[r];
         bits[mt][rr] = (word >> (8 * t)) & 0xFFu;
-#if SPT_PAIR_LUT
-        offs[mt][rr] = lut[bits[mt][rr]];
-#endif
         run[mt][rr] = static_cast<unsigned>(__cvta_generic_to_shared(sv + first_cur + sro[r])) +
                       4u * __popc(word & before_mask);
       }
@@ -161,11 +137,7 @@ __global__ void __launch_bounds__(THREADS, NT <= 2 ? SPT_MIN_BLOCKS_SMALL_N : SP
           for (int e = 0; e < 2; ++e) {
             const int p = 2 * kk + e;  // compile-time: the masks are immediates
             const uint32_t h = bits[mt][rr];
-#if SPT_PAIR_LUT
-            const uint32_t off = __byte_perm(p < 4 ? offs[mt][rr].x : offs[mt][rr].y, 0, 0x4440 | (p & 3));
-#else
             const uint32_t off = 4u * __popc(h & ((1u << p) - 1u));
-#endif
             af[2 * e + rr] = (h & (1u << p)) ? lds32(run[mt][rr] + off) : 0u;
           }
         }
