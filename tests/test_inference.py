@@ -9,16 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsetrain import inference as inf
 from sparsetrain.inference import (
     SparseInferenceLinear,
+    checkpoint,
     export_hf,
     load_sparse,
     save_sparse,
     to_dense_linears,
     to_inference,
 )
-from sparsetrain.kernels import spmm_infer as si
+from sparsetrain.inference import linear as inference_linear
+from sparsetrain.kernels.spmm import BREAK_EVEN_SPARSITY
 
 
 def _prune_(linear: nn.Linear, sparsity: float) -> None:
@@ -49,12 +50,12 @@ def test_from_linear_keeps_dense_below_break_even_and_compresses_above(monkeypat
     x = torch.randn(5, 64)
     dense_layer = SparseInferenceLinear.from_linear(lin, min_sparsity=0.0)
     assert not dense_layer.is_compressed  # 30% < BREAK_EVEN_SPARSITY: cuBLAS is faster
-    assert 0.3 < si.BREAK_EVEN_SPARSITY
+    assert 0.3 < BREAK_EVEN_SPARSITY
     assert torch.equal(dense_layer(x), F.linear(x, lin.weight, lin.bias))
     _prune_(lin, 0.9)
-    monkeypatch.setattr(inf, "BREAK_EVEN_SPARSITY", 0.85)  # dispatch follows the measured constant
+    monkeypatch.setattr(inference_linear, "BREAK_EVEN_SPARSITY", 0.85)  # dispatch follows the measured constant
     assert SparseInferenceLinear.from_linear(lin).is_compressed
-    monkeypatch.setattr(inf, "BREAK_EVEN_SPARSITY", 0.95)
+    monkeypatch.setattr(inference_linear, "BREAK_EVEN_SPARSITY", 0.95)
     assert not SparseInferenceLinear.from_linear(lin).is_compressed
     assert not SparseInferenceLinear.from_linear(lin, mode="dense").is_compressed
     sparse_layer = SparseInferenceLinear.from_linear(lin, mode="compressed")
@@ -129,7 +130,7 @@ def test_save_load_sparse_round_trip(tmp_path):
     swaps = save_sparse(model, str(tmp_path))
     assert len(swaps) == 14
     assert os.path.exists(tmp_path / "config.json")
-    assert os.path.getsize(tmp_path / inf._TENSORS) < dense_bytes
+    assert os.path.getsize(tmp_path / checkpoint.TENSORS_FILE) < dense_bytes
     config = LlamaConfig.from_pretrained(str(tmp_path))
     loaded = load_sparse(lambda: LlamaForCausalLM(config).eval(), str(tmp_path))
     assert sum(isinstance(m, SparseInferenceLinear) for m in loaded.modules()) == 14
@@ -175,7 +176,7 @@ def test_save_load_sparse_mixes_bitmap_and_csl_layers(tmp_path):
     expected = model(x)
     w0 = model[0].weight.detach().clone()
     save_sparse(model, str(tmp_path))  # converts model's layers in place
-    with open(tmp_path / inf._INDEX) as f:
+    with open(tmp_path / checkpoint.INDEX_FILE) as f:
         layers = json.load(f)["layers"]
     assert {name: info["fmt"] for name, info in layers.items()} == {"0": "csl", "2": "bitmap"}
     loaded = load_sparse(lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128)), str(tmp_path))
@@ -204,7 +205,7 @@ def test_save_load_sparse_pair_format(tmp_path):
 def test_layer_forward_does_not_recompute_tile_lengths(monkeypatch):
     """The CUDA kernels need the longest tile's length; a layer computes it once, not per call (a per-call
     device sync would also break CUDA-graph capture)."""
-    from sparsetrain.kernels import _launch
+    from sparsetrain.kernels.spmm import _launch
 
     lin = nn.Linear(64, 128)
     _prune_(lin, 0.9)
