@@ -4,7 +4,7 @@
 >>> layers = st.sparsify(model, targets=["*.intermediate.dense"], density=0.1, block=16)  # doctest: +SKIP
 >>> sched = st.PruneRegrow(policy=st.SET(), drop_fraction=0.5, num_updates=160).attach(model, opt, 10_000)  # doctest: +SKIP
 """
-from sparsetrain.nn import SparseLinear, densify, sparsify
+from sparsetrain.nn import SparseLinear, WeightFormat, densify, register_format, sparsify
 from sparsetrain.sparsity import (
     NM,
     SET,
@@ -15,6 +15,7 @@ from sparsetrain.sparsity import (
     Policy,
     PruneRegrow,
     RigL,
+    SparseLayer,
     SparseThenDense,
     SparsityScheduler,
     Static,
@@ -22,4 +23,5 @@ from sparsetrain.sparsity import (
 
 __version__ = "0.1.0"
 __all__ = ["Block", "Dense", "GradualMagnitude", "Magnitude", "NM", "Policy", "PruneRegrow", "RigL", "SET",
-           "SparseLinear", "SparseThenDense", "SparsityScheduler", "Static", "densify", "sparsify"]
+           "SparseLayer", "SparseLinear", "SparseThenDense", "SparsityScheduler", "Static", "WeightFormat", "densify",
+           "register_format", "sparsify"]

@@ -16,13 +16,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from sparsetrain.nn.formats import WeightFormat, get_format
+from sparsetrain.nn.formats.base import FormatCaps, WeightFormat, get_format
 from sparsetrain.sparsity.layout import (
     Block,
+    BlockLike,
+    block_reduce,
     grid_shape,
     n_active_blocks,
     random_mask,
     to_element_mask,
+    topk_mask,
 )
 
 
@@ -35,10 +38,10 @@ class SparseLinear(nn.Module):
         out_features: int,
         bias: bool = True,
         *,
-        block: Block | int | str = 1,
+        block: BlockLike = 1,
         mask: Tensor | None = None,
         weight: Tensor | None = None,
-        format: str | WeightFormat = "masked",
+        format: str | type[WeightFormat] | WeightFormat = "masked",
         device=None,
         dtype=None,
     ) -> None:
@@ -75,8 +78,8 @@ class SparseLinear(nn.Module):
         mask: Tensor | None = None,
         *,
         density: float | None = None,
-        block: Block | int | str = 1,
-        format: str | WeightFormat = "masked",
+        block: BlockLike = 1,
+        format: str | type[WeightFormat] | WeightFormat = "masked",
         generator: torch.Generator | None = None,
         init: str = "random",
     ) -> SparseLinear:
@@ -91,8 +94,6 @@ class SparseLinear(nn.Module):
                 gen = generator if generator is not None else torch.Generator().manual_seed(0)
                 mask = random_mask(grid, k, gen)
             elif init == "magnitude":
-                from sparsetrain.sparsity.layout import block_reduce, topk_mask
-
                 mask = topk_mask(block_reduce(w.abs().float().cpu(), block), k)
             else:
                 raise ValueError(f"init must be 'random' or 'magnitude', got {init!r}")
@@ -102,6 +103,25 @@ class SparseLinear(nn.Module):
             with torch.no_grad():
                 layer.bias.copy_(linear.bias.detach())
         return layer
+
+    def dense_phase(self) -> nn.Linear:
+        """An ``nn.Linear`` holding this layer's own weight and bias Parameters (for a straight-through
+        format, the dense master weight): swapped in for the layer, it trains on with the same optimizer and
+        optimizer state. Unlike :meth:`to_dense`, nothing is copied.
+
+        >>> sl = SparseLinear(8, 4, format="masked_st")
+        >>> sl.dense_phase().weight is sl.weight
+        True
+        """
+        w = self.weight_parameter()
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"format {self.format_name!r} stores its weight as {tuple(w.shape)}, not as a dense "
+                             f"({self.out_features}, {self.in_features}) Parameter; use to_dense() for a copy")
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        lin.weight = w
+        if self.bias is not None:
+            lin.bias = self.bias
+        return lin
 
     def to_dense(self) -> nn.Linear:
         """An ``nn.Linear`` carrying ``W_eff`` (zeros outside the mask)."""
@@ -133,14 +153,14 @@ class SparseLinear(nn.Module):
             raise ValueError(f"new mask shape {tuple(new_mask.shape)} != {tuple(self.mask.shape)}")
         self.storage.set_mask(self, new_mask.to(torch.bool), optimizer)
 
-    def set_format(self, format: str | WeightFormat, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def set_format(self, format: str | type[WeightFormat] | WeightFormat,
+                   optimizer: torch.optim.Optimizer | None = None) -> None:
         """Move to another storage format (e.g. masked -> block on GPU). Call before building the optimizer,
         or pass it: the old weight parameter's optimizer state is dropped."""
         weight, mask = self.storage.state_weight(self).clone(), self.mask.clone()
         old = self.weight_parameter()
-        for name in ("weight", "values"):
-            if name in self._parameters:
-                del self._parameters[name]
+        for name in [n for n, p in self._parameters.items() if p is old]:
+            del self._parameters[name]
         if optimizer is not None:
             optimizer.state.pop(old, None)
         self.storage = get_format(format)
@@ -157,7 +177,13 @@ class SparseLinear(nn.Module):
 
     @property
     def format_name(self) -> str:
+        """The format's registered name (or dotted path): for messages and logs, not for decisions."""
         return self.storage.name
+
+    @property
+    def caps(self) -> FormatCaps:
+        """What the storage format can do (see :class:`~sparsetrain.nn.formats.FormatCaps`)."""
+        return self.storage.caps
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

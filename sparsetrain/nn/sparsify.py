@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from sparsetrain.nn.formats import WeightFormat
+from sparsetrain.nn.formats.base import WeightFormat, resolve_format
 from sparsetrain.nn.sparse_linear import SparseLinear
 from sparsetrain.sparsity.distributions import layer_densities
-from sparsetrain.sparsity.layout import Block, check_density, grid_shape
+from sparsetrain.sparsity.layout import Block, BlockLike, check_density, grid_shape
 
 #: Layers that stay dense unless named explicitly: embeddings, the MLM head / classifier, poolers.
 #: (Norms and biases are never sparsified: only nn.Linear weights are.)
@@ -55,8 +55,8 @@ def sparsify(
     density: float | dict[str, float] = 1.0,
     distribution: str = "uniform",
     density_overrides: dict[str, float] | None = None,
-    block: Block | int | str = 1,
-    format: str | WeightFormat = "masked",
+    block: BlockLike = 1,
+    format: str | type[WeightFormat] | WeightFormat = "masked",
     init: str = "random",
     seed: int = 0,
 ) -> dict[str, SparseLinear]:
@@ -65,8 +65,11 @@ def sparsify(
     ``density`` is a global target spread by ``distribution`` (uniform / er / erk) with
     ``density_overrides`` ({glob: density}), or an explicit ``{name: density}``. Initial masks are random
     (seeded per layer from ``seed`` and the layer name, so identical on every rank) or by magnitude.
+    ``format`` is a registered name, the dotted path of a WeightFormat subclass, the class or an instance.
     """
     block = Block.parse(block)
+    if not isinstance(format, WeightFormat):
+        format = resolve_format(format)  # a bad name fails before any layer is swapped
     chosen = select_linears(model, targets, exclude)
     for lin in chosen.values():
         grid_shape(lin.weight.shape, block)  # raises naming the shapes when the block does not divide
@@ -80,7 +83,7 @@ def sparsify(
         gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         layer = SparseLinear.from_dense(lin, density=densities[name], block=block, format=format,
                                         generator=gen, init=init)
-        _set_submodule(model, name, layer)
+        model.set_submodule(name, layer)
         out[name] = layer
     return out
 
@@ -89,11 +92,5 @@ def densify(model: nn.Module) -> nn.Module:
     """Replace every SparseLinear by an ``nn.Linear`` carrying its weight with zeros. In place; returns model."""
     for name, mod in list(model.named_modules()):
         if isinstance(mod, SparseLinear):
-            _set_submodule(model, name, mod.to_dense())
+            model.set_submodule(name, mod.to_dense())
     return model
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)

@@ -1,8 +1,10 @@
-"""Pure sparsity logic: layouts, distributions, criteria, mask updates, schedules, N:M masks, schedulers."""
+"""Pure sparsity logic: layouts, distributions, criteria, mask updates, schedules, N:M masks, schedulers.
+Imports neither ``nn`` nor ``kernels``: layers are seen through the :class:`SparseLayer` protocol."""
 from sparsetrain.sparsity.distributions import erdos_renyi, erk, layer_densities, uniform
 from sparsetrain.sparsity.layout import Block, n_active_blocks, to_element_mask
 from sparsetrain.sparsity.nm import NM, nm_mask, transposable_nm_mask
 from sparsetrain.sparsity.policies import SET, Magnitude, Policy, RigL, get_policy
+from sparsetrain.sparsity.protocol import FormatCaps, SparseLayer
 from sparsetrain.sparsity.schedulers import (
     Dense,
     GradualMagnitude,
@@ -16,8 +18,9 @@ from sparsetrain.sparsity.schedules import Constant, CosineDecay, CubicDensity, 
 from sparsetrain.sparsity.update import MaskUpdate, prune_to, update_mask
 
 __all__ = [
-    "Block", "Constant", "CosineDecay", "CubicDensity", "Dense", "GradualMagnitude", "LinearDecay", "Magnitude",
-    "MaskUpdate", "NM", "Policy", "PruneRegrow", "RigL", "SET", "SparseThenDense", "SparsityScheduler", "Static",
-    "UpdateSchedule", "erdos_renyi", "erk", "get_policy", "layer_densities", "n_active_blocks", "nm_mask",
-    "prune_to", "sparse_layers", "to_element_mask", "transposable_nm_mask", "uniform", "update_mask",
+    "Block", "Constant", "CosineDecay", "CubicDensity", "Dense", "FormatCaps", "GradualMagnitude", "LinearDecay",
+    "Magnitude", "MaskUpdate", "NM", "Policy", "PruneRegrow", "RigL", "SET", "SparseLayer", "SparseThenDense",
+    "SparsityScheduler", "Static", "UpdateSchedule", "erdos_renyi", "erk", "get_policy", "layer_densities",
+    "n_active_blocks", "nm_mask", "prune_to", "sparse_layers", "to_element_mask", "transposable_nm_mask", "uniform",
+    "update_mask",
 ]

@@ -33,8 +33,9 @@ class Block:
                 raise ValueError(f"block.{name} must be a positive int, got {v!r}")
 
     @classmethod
-    def parse(cls, value: Block | int | tuple[int, int] | list[int] | str) -> Block:
-        """Accept ``16``, ``(16, 16)``, ``[16, 16]``, ``"16x16"`` or a Block."""
+    def parse(cls, value: BlockLike | list[int] | str) -> Block:
+        """Accept ``16``, ``(16, 16)``, ``[16, 16]``, ``"16x16"`` (as a config may spell it) or a Block.
+        Public functions parse once at their boundary and pass the Block on."""
         if isinstance(value, Block):
             return value
         if isinstance(value, bool):
@@ -58,6 +59,10 @@ class Block:
 
     def __str__(self) -> str:
         return f"{self.rows}x{self.cols}"
+
+
+#: What public functions accept as a block shape (``Block.parse`` also reads config strings like ``"16x16"``).
+BlockLike = Block | int | tuple[int, int]
 
 
 def grid_shape(weight_shape: tuple[int, ...] | torch.Size, block: Block) -> tuple[int, int]:

@@ -7,13 +7,14 @@
     sched.state_dict() / sched.load_state_dict()  # in every checkpoint
 
 Masks themselves live in the model (each SparseLinear's ``mask`` buffer), so they travel with the model
-state; a scheduler's own state is its step counter and its policy's state.
+state; a scheduler's own state is its step counter and its policy's state. A scheduler sees layers only
+through the :class:`~sparsetrain.sparsity.protocol.SparseLayer` protocol and decides by their ``caps``.
 Determinism: random choices use a CPU generator seeded from (seed, step, layer index) — identical on every
 data-parallel rank and after a resume. Gradient scores are all-reduced before choosing.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,17 +23,12 @@ from torch import nn
 from sparsetrain.sparsity.layout import check_density, n_active_blocks, to_scores_grid
 from sparsetrain.sparsity.nm import NM
 from sparsetrain.sparsity.policies import Magnitude, Policy, get_policy
+from sparsetrain.sparsity.protocol import SparseLayer, sparse_layers
 from sparsetrain.sparsity.schedules import CubicDensity, UpdateSchedule, make_drop_schedule
 from sparsetrain.sparsity.update import prune_to, update_mask
 
-if TYPE_CHECKING:  # pragma: no cover
-    from sparsetrain.nn.sparse_linear import SparseLinear
-
-
-def sparse_layers(model: nn.Module) -> dict[str, SparseLinear]:
-    from sparsetrain.nn.sparse_linear import SparseLinear  # lazy: sparsetrain.nn imports this package
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
+__all__ = ["Dense", "GradualMagnitude", "PruneRegrow", "SparseThenDense", "SparsityScheduler", "Static",
+           "sparse_layers"]
 
 
 def _check_fraction(value: float, name: str) -> float:
@@ -55,7 +51,7 @@ class SparsityScheduler:
     def __init__(self, seed: int = 0) -> None:
         self.seed = int(seed)
         self.step_count = 0
-        self.layers: dict[str, SparseLinear] = {}
+        self.layers: dict[str, SparseLayer] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self.total_steps = 0
         self._density: float | None = None
@@ -67,6 +63,13 @@ class SparsityScheduler:
 
     def initial_format(self, requested: str) -> str:
         return requested
+
+    def set_targets(self, targets: dict[str, float]) -> None:
+        """Final density per layer name (from the distribution), given before ``attach``. Default: unused."""
+
+    def prepare_flop_count(self, layers: dict[str, SparseLayer]) -> None:
+        """Put freshly sparsified ``layers`` in the state whose FLOPs dominate the run, for a FLOP count
+        without training. Default: they already are."""
 
     # -- the interface ----------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -273,9 +276,11 @@ class GradualMagnitude(SparsityScheduler):
 
     def _on_attach(self) -> None:
         for name, layer in self.layers.items():
-            if layer.format_name not in ("masked",):
-                raise ValueError(f"gradual_magnitude needs sparsity.format=masked (layer {name} uses "
-                                 f"{layer.format_name!r}): its active count shrinks")
+            caps = layer.caps
+            if caps.keeps_count or caps.straight_through or caps.needs_nm:
+                raise ValueError(f"gradual_magnitude needs a format whose active count can shrink and whose pruned "
+                                 f"weights stay zero, such as sparsity.format=masked (layer {name} uses "
+                                 f"{layer.format_name!r})")
             self.targets.setdefault(name, layer.density)
         s, e = int(self.start * self.total_steps), max(1, int(round(self.end * self.total_steps)))
         n = min(self.num_updates, max(1, e - s - 1))
@@ -319,7 +324,7 @@ class SparseThenDense(SparsityScheduler):
         for name, layer in self.layers.items():
             if layer.block.numel != 1:
                 raise ValueError(f"sparse_then_dense needs sparsity.block=1 (layer {name} has {layer.block})")
-            if not getattr(layer.storage, "straight_through", False):
+            if not layer.caps.straight_through:
                 raise ValueError(f"sparse_then_dense needs a straight-through format (sparsity.format=2:4 or "
                                  f"masked_st); layer {name} uses {layer.format_name!r}")
         self.phase_end = int(round(self.sparse_fraction * self.total_steps))
@@ -328,24 +333,24 @@ class SparseThenDense(SparsityScheduler):
         else:
             self._switch()
 
+    def prepare_flop_count(self, layers: dict[str, SparseLayer]) -> None:
+        """The 2:4 phase: straight-through layers with the transposable 2:4 mask of their weight."""
+        for layer in layers.values():
+            if not layer.caps.straight_through:
+                layer.set_format("masked_st")
+            if not layer.caps.derives_mask:
+                layer.set_mask(self.nm.mask(layer.weight_parameter().detach()))
+
     def _recompute(self) -> None:
         for layer in self.layers.values():
-            if getattr(layer.storage, "recompute_every_forward", False):
-                continue  # the 2:4 kernel format derives the mask inside its forward
+            if layer.caps.derives_mask:
+                continue  # the format derives the mask inside its forward (the 2:4 kernel format)
             layer.set_mask(self.nm.mask(layer.weight_parameter().detach()), self.optimizer)
 
     def _switch(self) -> None:
-        for name in list(self.layers):
-            parent_name, _, child = name.rpartition(".")
-            parent = self.model.get_submodule(parent_name) if parent_name else self.model
-            old = self.layers[name]
-            lin = nn.Linear(old.in_features, old.out_features, bias=old.bias is not None,
-                            device=old.weight_parameter().device, dtype=old.weight_parameter().dtype)
-            # reuse the Parameters themselves: the optimizer keeps its state
-            lin.weight = old.weight_parameter()
-            if old.bias is not None:
-                lin.bias = old.bias
-            setattr(parent, child, lin)
+        for name, layer in self.layers.items():
+            # the dense module reuses the Parameters themselves: the optimizer keeps its state
+            self.model.set_submodule(name, layer.dense_phase())
         self.layers = {}
         self._density = None
         self.switched = True

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear, register_meta
-from sparsetrain.kernels.blocksparse_reference import dense_to_values, values_to_dense
-from sparsetrain.nn.formats import WeightFormat, register_format
+from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
+from sparsetrain.nn.formats.base import FormatCaps, WeightFormat, register_format
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparsetrain.nn.sparse_linear import SparseLinear
@@ -34,7 +34,10 @@ _PREFIX = "_bs_"
 
 @register_format("block")
 class BlockFormat(WeightFormat):
-    """Compressed block storage (values of the active blocks + CSR/transpose metadata)."""
+    """Compressed block storage (values of the active blocks + CSR/transpose metadata). Topology changes keep
+    the active count (the values Parameter keeps its shape, so the optimizer keeps pointing at it)."""
+
+    caps = FormatCaps(keeps_count=True)
 
     # ---- metadata held on the layer -------------------------------------------------------------
     @staticmethod

@@ -7,21 +7,24 @@ on every forward by one Triton pass (see :mod:`sparsetrain.kernels.semi24`) and 
 the products go through cuSPARSELt where :func:`plan_dispatch` measured that to be faster, else dense.
 On CPU the format *is* the masked reference path.
 
-How a scheduler drives it:
+How a scheduler drives it (it reads ``layer.caps``):
 
-- ``layer.storage.recompute_every_forward = True`` (default): the forward computes the mask itself; do not
-  call ``set_mask`` every step (it would be overwritten by the next forward).
-- ``recompute_every_forward = False``: the scheduler calls ``layer.set_mask(m)`` with a transposable 2:4 mask
+- ``recompute_every_forward=True`` (default, ``caps.derives_mask``): the forward computes the mask itself;
+  do not call ``set_mask`` every step (it would be overwritten by the next forward).
+- ``recompute_every_forward=False``: the scheduler calls ``layer.set_mask(m)`` with a transposable 2:4 mask
   and the forward uses it as given.
-- Phase switch to dense: :func:`dense_phase_linear` gives an ``nn.Linear`` holding the *same* weight
+- Phase switch to dense: ``layer.dense_phase()`` gives an ``nn.Linear`` holding the *same* weight
   Parameter, so the optimizer and its state carry over.
 
+>>> from sparsetrain.nn import SparseLinear
 >>> layer = SparseLinear(64, 32, format="2:4")
 >>> y = layer(torch.randn(5, 64))
 >>> is_transposable24(layer.mask)
 True
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +41,13 @@ from sparsetrain.kernels.semi24 import (
     transposable24,
     transposable24_reference,
 )
-from sparsetrain.nn.formats import MaskedFormat, register_format
-from sparsetrain.nn.sparse_linear import SparseLinear
+from sparsetrain.nn.formats.base import FormatCaps, register_format
+from sparsetrain.nn.formats.masked import MaskedFormat
 from sparsetrain.sparsity.layout import Block
+from sparsetrain.sparsity.protocol import SparseLayer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparsetrain.nn.sparse_linear import SparseLinear
 
 
 @torch.compiler.disable
@@ -66,6 +73,10 @@ class Semi24Format(MaskedFormat):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.recompute_every_forward = bool(recompute_every_forward)
         self.mode = mode
+
+    @property
+    def caps(self) -> FormatCaps:
+        return FormatCaps(straight_through=True, needs_nm=True, derives_mask=self.recompute_every_forward)
 
     # ---- construction and topology ----------------------------------------------------------------------
     def setup(self, layer, weight, mask):
@@ -117,25 +128,33 @@ class Semi24Format(MaskedFormat):
         # From the mask buffer itself: on CUDA the element-mask cache is not refreshed every step.
         return (layer.weight * layer.mask.to(layer.weight.dtype)).detach()
 
+    @classmethod
+    def plan_kernels(cls, layers: dict[str, SparseLinear], tokens: int, *, dtype: torch.dtype | None = None,
+                     modes: tuple[str, ...] = MODES, margin: float = 0.02, rep_ms: float = 50.0) -> list[dict]:
+        """Time 2:4 against masked dense for every distinct layer shape and set each layer's ``mode``.
+
+        ``tokens``: rows of the layer input per step (batch x sequence). ``dtype``: compute dtype (default:
+        the weight's if 16-bit, else bfloat16 as under autocast). A sparse mode is chosen only when it beats
+        masked dense by more than ``margin``. Returns one record per layer for the run log: name, shape,
+        tokens, ms of each mode and of plain ``F.linear``, choice, speedup of the choice over plain
+        ``F.linear``, alg ids. Off CUDA nothing is timed and every layer reports the masked reference path.
+        """
+        return _plan_layers(layers, tokens, dtype, tuple(modes), margin, rep_ms)
+
     def extra_repr(self) -> str:
         return f"2:4, mode={self.mode}" + (", recompute_every_forward" if self.recompute_every_forward else "")
 
 
-def dense_phase_linear(layer: SparseLinear) -> nn.Linear:
-    """An ``nn.Linear`` that holds the layer's own weight (and bias) Parameters: the dense phase starts from
-    the dense master weight and an optimizer built on the sparse model keeps working unchanged.
+def dense_phase_linear(layer: SparseLinear) -> nn.Module:
+    """``layer.dense_phase()``: an ``nn.Linear`` holding the layer's own weight and bias Parameters.
 
-    >>> sl = SparseLinear(8, 4, format="2:4"); lin = dense_phase_linear(sl)
-    >>> lin.weight is sl.weight
+    >>> sl = SparseLinear(8, 4, format="2:4"); lin = dense_phase_linear(sl)  # doctest: +SKIP
+    >>> lin.weight is sl.weight  # doctest: +SKIP
     True
     """
-    if not isinstance(layer, SparseLinear):
+    if not isinstance(layer, SparseLayer):
         raise TypeError(f"layer must be a SparseLinear, got {type(layer).__name__}")
-    lin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
-    lin.weight = layer.weight_parameter()
-    if layer.bias is not None:
-        lin.bias = layer.bias
-    return lin
+    return layer.dense_phase()
 
 
 # ---- shape-aware dispatch -----------------------------------------------------------------------------
@@ -176,16 +195,18 @@ def plan_dispatch(
     margin: float = 0.02,
     rep_ms: float = 50.0,
 ) -> list[dict]:
-    """Time 2:4 against masked dense for every distinct ``"2:4"`` layer shape and set each layer's mode.
-
-    ``tokens``: rows of the layer input per step (batch x sequence). ``dtype``: compute dtype (default: the
-    weight's if 16-bit, else bfloat16 as under autocast). A sparse mode is chosen only when it beats masked
-    dense by more than ``margin``. Returns one record per layer for the run log: name, shape, tokens, ms of
-    each mode and of plain ``F.linear``, choice, speedup of the choice over plain ``F.linear``, alg ids.
-    Off CUDA nothing is timed and every layer reports the masked reference path.
+    """Time 2:4 against masked dense for every distinct ``"2:4"`` layer shape of ``model`` and set each
+    layer's mode (:meth:`Semi24Format.plan_kernels` on the model's 2:4 layers).
 
     >>> records = plan_dispatch(model, tokens=64 * 197)  # doctest: +SKIP
     """
+    layers = {n: m for n, m in model.named_modules() if isinstance(getattr(m, "storage", None), Semi24Format)}
+    return Semi24Format.plan_kernels(layers, tokens, dtype=dtype, modes=modes, margin=margin, rep_ms=rep_ms)
+
+
+def _plan_layers(layers: dict[str, SparseLinear], tokens: int, dtype: torch.dtype | None,
+                 modes: tuple[str, ...], margin: float, rep_ms: float) -> list[dict]:
+    """The body of :meth:`Semi24Format.plan_kernels`."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens must be a positive int, got {tokens!r}")
     if dtype not in (None, torch.float16, torch.bfloat16):
@@ -195,11 +216,9 @@ def plan_dispatch(
         raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes!r}")
     if "dense" not in modes:
         modes = tuple(modes) + ("dense",)
-    layers = [(n, m) for n, m in model.named_modules()
-              if isinstance(m, SparseLinear) and isinstance(m.storage, Semi24Format)]
     timed: dict[tuple, dict] = {}
     records = []
-    for name, layer in layers:
+    for name, layer in layers.items():
         w = layer.weight
         cdt = dtype or (w.dtype if w.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16)
         rec = {"name": name, "shape": (layer.out_features, layer.in_features), "tokens": tokens,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparsetrain.kernels.block_format import BlockFormat
-from sparsetrain.kernels.blocksparse_reference import dense_to_values
+from sparsetrain.kernels.blocksparse.reference import dense_to_values
 from sparsetrain.nn import SparseLinear
+from sparsetrain.nn.formats import BlockFormat
 from sparsetrain.sparsity.layout import Block, to_element_mask
 
 
@@ -192,7 +192,7 @@ def _compiled_matches_eager(device: str, dtype: torch.dtype, tol: float) -> None
     explain = torch._dynamo.explain(layer)(x)
     assert explain.graph_break_count == 0
     assert "sparsetrain.block_sparse_linear" in explain.graphs[0].code  # the kernels, as an opaque op
-    from sparsetrain.kernels import blocksparse
+    from sparsetrain.kernels.blocksparse import op as blocksparse
 
     compiled = torch.compile(layer)
     builds = blocksparse.OP_META_BUILDS[0]
@@ -212,7 +212,7 @@ def test_torch_compile_runs_the_kernels_as_a_custom_op(split, monkeypatch):
     """torch.compile traces the block format without graph breaks: the Triton kernels (interpreted here)
     are the custom op sparsetrain::block_sparse_linear with a registered backward; results equal eager.
     split=2 forces the split token reduction, whose weight and bias gradients share one buffer."""
-    from sparsetrain.kernels import blocksparse
+    from sparsetrain.kernels.blocksparse import gather as blocksparse
 
     if split is not None:
         monkeypatch.setattr(blocksparse, "_choose_split", lambda *args, **kwargs: split)
@@ -222,7 +222,7 @@ def test_torch_compile_runs_the_kernels_as_a_custom_op(split, monkeypatch):
 def test_torch_compile_follows_a_topology_change_without_recompiling():
     import torch._dynamo
 
-    from sparsetrain.kernels import blocksparse
+    from sparsetrain.kernels.blocksparse import op as blocksparse
 
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -1,108 +1,24 @@
-"""Storage formats of a :class:`~sparsetrain.nn.SparseLinear` weight.
+"""``format="masked"`` and ``"masked_st"``: a dense weight Parameter times the element mask. Runs anywhere;
+the reference every other format is tested against.
 
-A format is a small strategy object that owns *how* a layer stores and multiplies its weight; the layer
-owns *which* blocks are active (its ``mask`` buffer, a bool block grid). Every format implements:
-
-- ``setup(layer, weight, mask)``: register parameters/buffers on ``layer`` from a dense weight and mask;
-- ``forward(layer, x)``: ``x @ W_effᵀ + bias`` where ``W_eff`` is zero outside the mask;
-- ``dense_weight(layer)``: ``W_eff`` as a dense, detached ``(out, in)`` tensor;
-- ``state_weight(layer)``: the dense tensor saved under ``weight`` in the state dict;
-- ``load(layer, weight, mask)``: in-place inverse of ``state_weight`` (keeps Parameter identity, so an
-  optimizer built before loading still points at the right tensors);
-- ``set_mask(layer, new_mask, optimizer)``: rewrite the topology. Surviving weights and their optimizer
-  moments are kept; newly active weights start at zero with zeroed moments; pruned weights are gone (or
-  zero) in the weight *and* in the optimizer state, so momentum cannot revive them;
-- ``weight_parameter(layer)``: the trainable Parameter holding the weight.
-
-Dense-gradient capture (RigL): when ``layer.capture_dense_grad`` is True, the next backward passes
-accumulate ``dL/dW_eff`` for *all* positions (active or not) into ``layer.dense_grad``.
-
-New formats register with :func:`register_format` and are picked by name: ``sparsity.format=block``.
+>>> from sparsetrain.nn import SparseLinear
+>>> layer = SparseLinear(8, 4, format="masked_st")
+>>> layer.caps.straight_through
+True
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sparsetrain.nn.formats.base import FormatCaps, WeightFormat, register_format, zero_optimizer_state
 from sparsetrain.sparsity.layout import to_element_mask
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparsetrain.nn.sparse_linear import SparseLinear
-
-FORMATS: dict[str, type[WeightFormat]] = {}
-
-
-def register_format(name: str) -> Callable[[type], type]:
-    def deco(cls: type) -> type:
-        cls.name = name
-        FORMATS[name] = cls
-        return cls
-    return deco
-
-
-def get_format(name: str | WeightFormat, **kwargs) -> WeightFormat:
-    """Instantiate a format by name (``"masked"``, ``"block"``, ``"2:4"`` ...)."""
-    if isinstance(name, WeightFormat):
-        return name
-    _import_optional_formats()
-    if name not in FORMATS:
-        raise ValueError(f"unknown sparsity format {name!r}; known formats: {sorted(FORMATS)}")
-    return FORMATS[name](**kwargs)
-
-
-def _import_optional_formats() -> None:
-    """Formats backed by GPU kernels register themselves when their module is imported."""
-    import importlib
-
-    for mod in ("sparsetrain.kernels.block_format", "sparsetrain.kernels.semi24_format"):
-        try:
-            importlib.import_module(mod)
-        except ImportError:
-            pass
-
-
-def zero_optimizer_state(optimizer: torch.optim.Optimizer | None, param: Tensor, where: Tensor) -> None:
-    """Zero every per-element optimizer state of ``param`` (Adam moments, SGD momentum...) at ``where``."""
-    if optimizer is None:
-        return
-    state = optimizer.state.get(param)
-    if not state:
-        return
-    for value in state.values():
-        if torch.is_tensor(value) and value.shape == param.shape:
-            value.masked_fill_(where.to(value.device), 0)
-
-
-class WeightFormat:
-    name = "base"
-
-    def setup(self, layer: SparseLinear, weight: Tensor, mask: Tensor) -> None:
-        raise NotImplementedError
-
-    def forward(self, layer: SparseLinear, x: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def dense_weight(self, layer: SparseLinear) -> Tensor:
-        raise NotImplementedError
-
-    def state_weight(self, layer: SparseLinear) -> Tensor:
-        return self.dense_weight(layer)
-
-    def load(self, layer: SparseLinear, weight: Tensor, mask: Tensor) -> None:
-        raise NotImplementedError
-
-    def set_mask(self, layer: SparseLinear, new_mask: Tensor, optimizer=None) -> None:
-        raise NotImplementedError
-
-    def weight_parameter(self, layer: SparseLinear) -> nn.Parameter:
-        raise NotImplementedError
-
-    def extra_repr(self) -> str:
-        return self.name
 
 
 class _CaptureGrad(torch.autograd.Function):
@@ -140,6 +56,10 @@ class MaskedFormat(WeightFormat):
 
     def __init__(self, straight_through: bool = False) -> None:
         self.straight_through = bool(straight_through)
+
+    @property
+    def caps(self) -> FormatCaps:
+        return FormatCaps(straight_through=self.straight_through)
 
     def setup(self, layer, weight, mask):
         w = weight.detach().clone()

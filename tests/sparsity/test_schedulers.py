@@ -37,8 +37,7 @@ def _setup(sched, density=0.25, block=8, fmt="masked", steps=40, seed=0, opt="ad
     model = MLP()
     layers = sparsify(model, targets=["up", "down"], density=sched.initial_density(density), block=block,
                       format=fmt, seed=seed)
-    if isinstance(sched, GradualMagnitude):
-        sched.set_targets({n: density for n in layers})
+    sched.set_targets({n: density for n in layers})  # every scheduler takes them; gradual pruning uses them
     optim = (torch.optim.AdamW(model.parameters(), lr=1e-2) if opt == "adamw"
              else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
     sched.attach(model, optim, total_steps=steps)
@@ -284,9 +283,10 @@ os._exit(0)
 def test_two_rank_masks_identical(tmp_path):
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
     script = tmp_path / "worker.py"
-    script.write_text(_WORKER.format(root=root, tests=os.path.join(root, "tests"), store=str(tmp_path / "store"),
+    script.write_text(_WORKER.format(root=root, tests=here, store=str(tmp_path / "store"),
                                      outdir=str(tmp_path)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(script), str(r)], env=env) for r in range(2)]

@@ -1,0 +1,162 @@
+"""Storage formats of a :class:`~sparsetrain.nn.SparseLinear` weight: the base class, its capabilities and
+the registry.
+
+A format is a small strategy object that owns *how* a layer stores and multiplies its weight; the layer
+owns *which* blocks are active (its ``mask`` buffer, a bool block grid). Every format implements:
+
+- ``setup(layer, weight, mask)``: register parameters/buffers on ``layer`` from a dense weight and mask;
+- ``forward(layer, x)``: ``x @ W_effᵀ + bias`` where ``W_eff`` is zero outside the mask;
+- ``dense_weight(layer)``: ``W_eff`` as a dense, detached ``(out, in)`` tensor;
+- ``state_weight(layer)``: the dense tensor saved under ``weight`` in the state dict;
+- ``load(layer, weight, mask)``: in-place inverse of ``state_weight`` (keeps Parameter identity, so an
+  optimizer built before loading still points at the right tensors);
+- ``set_mask(layer, new_mask, optimizer)``: rewrite the topology. Surviving weights and their optimizer
+  moments are kept; newly active weights start at zero with zeroed moments; pruned weights are gone (or
+  zero) in the weight *and* in the optimizer state, so momentum cannot revive them;
+- ``weight_parameter(layer)``: the trainable Parameter holding the weight.
+
+and says what it can do in ``caps`` (a :class:`FormatCaps`). A format that picks kernels per layer shape
+overrides the classmethod :meth:`WeightFormat.plan_kernels`.
+
+Dense-gradient capture (RigL): when ``layer.capture_dense_grad`` is True, the next backward passes
+accumulate ``dL/dW_eff`` for *all* positions (active or not) into ``layer.dense_grad``.
+
+A format is picked by its registered name (``sparsity.format=block``) or by the dotted path of a
+:class:`WeightFormat` subclass (``sparsity.format=my_pkg.formats.MyFormat``); no edit to sparsetrain:
+
+>>> from sparsetrain.nn.formats import MaskedFormat
+>>> @register_format("my_masked")
+... class MyMasked(MaskedFormat):
+...     pass
+>>> type(get_format("my_masked")).__name__
+'MyMasked'
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar, TypeVar
+
+import torch
+from torch import Tensor, nn
+
+from sparsetrain.sparsity.protocol import FormatCaps
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sparsetrain.nn.sparse_linear import SparseLinear
+
+__all__ = ["FORMATS", "FormatCaps", "WeightFormat", "get_format", "known_formats", "register_format",
+           "resolve_format", "zero_optimizer_state"]
+
+#: Registered formats by name. Built-in: masked, masked_st, block, 2:4.
+FORMATS: dict[str, type[WeightFormat]] = {}
+
+_FormatT = TypeVar("_FormatT", bound="type[WeightFormat]")
+
+
+class WeightFormat:
+    """Base class of storage formats (see the module docstring for the contract)."""
+
+    #: Registered name; an unregistered subclass is named by its dotted path (what :func:`get_format` takes).
+    name: ClassVar[str] = "base"
+    #: What the format can do; a format whose capabilities depend on its arguments overrides it per instance.
+    caps: FormatCaps = FormatCaps()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = f"{cls.__module__}.{cls.__qualname__}"  # register_format replaces it by the short name
+
+    def setup(self, layer: SparseLinear, weight: Tensor, mask: Tensor) -> None:
+        raise NotImplementedError
+
+    def forward(self, layer: SparseLinear, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def dense_weight(self, layer: SparseLinear) -> Tensor:
+        raise NotImplementedError
+
+    def state_weight(self, layer: SparseLinear) -> Tensor:
+        return self.dense_weight(layer)
+
+    def load(self, layer: SparseLinear, weight: Tensor, mask: Tensor) -> None:
+        raise NotImplementedError
+
+    def set_mask(self, layer: SparseLinear, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None
+                 ) -> None:
+        raise NotImplementedError
+
+    def weight_parameter(self, layer: SparseLinear) -> nn.Parameter:
+        raise NotImplementedError
+
+    @classmethod
+    def plan_kernels(cls, layers: dict[str, SparseLinear], tokens: int) -> list[dict]:
+        """Choose kernels for these layers (all of this format) at ``tokens`` rows per step; one record per
+        layer for the run log. Default: nothing to plan."""
+        return []
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+def register_format(name: str) -> Callable[[_FormatT], _FormatT]:
+    """Class decorator: make a :class:`WeightFormat` subclass available as ``format=name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a format name must be a non-empty string, got {name!r}")
+
+    def deco(cls: _FormatT) -> _FormatT:
+        if not (isinstance(cls, type) and issubclass(cls, WeightFormat)):
+            raise TypeError(f"register_format({name!r}) decorates a WeightFormat subclass, got {cls!r}")
+        old = FORMATS.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"format name {name!r} is already taken by {old.__module__}.{old.__qualname__}")
+        cls.name = name
+        FORMATS[name] = cls
+        return cls
+    return deco
+
+
+def known_formats() -> list[str]:
+    """Names of the registered formats, sorted."""
+    return sorted(FORMATS)
+
+
+def resolve_format(spec: str | type[WeightFormat]) -> type[WeightFormat]:
+    """The format class a spec names: a registered name (``"block"``) or the dotted path of a
+    :class:`WeightFormat` subclass (``"my_pkg.formats.MyFormat"``, imported here). Raises ValueError naming
+    the known formats."""
+    if isinstance(spec, type) and issubclass(spec, WeightFormat):
+        return spec
+    if not isinstance(spec, str):
+        raise ValueError(f"a sparsity format is a name or a dotted path, got {spec!r}")
+    if spec in FORMATS:
+        return FORMATS[spec]
+    module_name, _, attr = spec.rpartition(".")
+    hint = f"known formats: {known_formats()}, or the dotted path of a WeightFormat subclass"
+    if not module_name:
+        raise ValueError(f"unknown sparsity format {spec!r}; {hint}")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"unknown sparsity format {spec!r} (cannot import it: {e}); {hint}") from e
+    if not (isinstance(cls, type) and issubclass(cls, WeightFormat)):
+        raise ValueError(f"sparsity format {spec!r} is {cls!r}, not a WeightFormat subclass; {hint}")
+    return cls
+
+
+def get_format(spec: str | type[WeightFormat] | WeightFormat, **kwargs) -> WeightFormat:
+    """A format instance: ``spec`` itself if it is one, else ``resolve_format(spec)(**kwargs)``."""
+    if isinstance(spec, WeightFormat):
+        return spec
+    return resolve_format(spec)(**kwargs)
+
+
+def zero_optimizer_state(optimizer: torch.optim.Optimizer | None, param: Tensor, where: Tensor) -> None:
+    """Zero every per-element optimizer state of ``param`` (Adam moments, SGD momentum...) at ``where``."""
+    if optimizer is None:
+        return
+    state = optimizer.state.get(param)
+    if not state:
+        return
+    for value in state.values():
+        if torch.is_tensor(value) and value.shape == param.shape:
+            value.masked_fill_(where.to(value.device), 0)
