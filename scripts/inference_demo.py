@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--sparsity", type=float, default=0.8)
     ap.add_argument("--fmt", default="auto", choices=["auto", "bitmap", "csl", "pair"],
-                    help="compressed format of the sparse model's linears (see sparsetrain.kernels.spmm_infer)")
+                    help="compressed format of the sparse model's linears (see sparsetrain.kernels.spmm)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=512, help="tokens per sequence for scoring")
     ap.add_argument("--gen-prompt", type=int, default=16, help="prompt tokens before generation")

@@ -1,7 +1,7 @@
-"""Plots bench_inference.json (scripts/bench_inference.py): speed vs dense cuBLAS against sparsity, one panel
+"""Plots bench_inference.json (`sparsetrain bench inference`): speed vs dense cuBLAS against sparsity, one panel
 per weight shape, one line per compressed format, at one token count.
 
-    python scripts/plot_inference.py $OUT/bench_inference.json --tokens 16 --png docs/inference_formats_n16.png
+    python scripts/plot_inference.py $OUT/bench_inference.json --tokens 16 --png docs/benchmarks/inference_formats_n16.png
 """
 from __future__ import annotations
 

@@ -1,13 +1,17 @@
-"""Benchmark of the compressed skinny SpMM (GPU): ours vs dense cuBLAS (F.linear) vs cuSPARSE CSR.
+"""Benchmark of the compressed skinny SpMM (GPU): ours vs dense cuBLAS (F.linear) vs cuSPARSE CSR, side by side.
 
 Every configuration is first checked against the plain-torch reference on fresh random inputs (relative
 error), then timed with ``triton.testing.do_bench(..., return_mode="median")``. Weights are rotated among
 enough copies to exceed twice the L2 cache, as in a real decode step where each layer's weight is read once.
 
-    PYTHONUNBUFFERED=1 python scripts/bench_inference.py --out $OUT            # full table (Flash-LLM shapes)
-    PYTHONUNBUFFERED=1 python scripts/bench_inference.py --sweep --out $OUT    # launch-configuration sweep
+    sparsetrain bench inference --out $OUT              # correctness + the table (Flash-LLM shapes, 3 formats)
+    sparsetrain bench inference --prefill --out $OUT    # prefill path: weight expansion + a 512-token linear
+    sparsetrain bench inference --profile pair          # 5 launches of one kernel, e.g. under Nsight Compute:
+    ncu --kernel-name regex:spmm_ --metrics <list> sparsetrain bench inference --profile pair
 
-Writes ``bench_inference.json`` (or ``bench_sweep.json``) under --out and prints a table last.
+Writes ``bench_inference.json`` (or ``bench_prefill.json``) under --out and prints tables last;
+``scripts/plot_inference.py`` draws the speed-vs-sparsity figure from it. Past measurements:
+docs/history/inference.md.
 """
 from __future__ import annotations
 
@@ -16,16 +20,15 @@ import datetime
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from sparsetrain.kernels import spmm_csl as sc  # noqa: E402
-from sparsetrain.kernels import spmm_infer as si  # noqa: E402
-from sparsetrain.kernels import spmm_pair as sp  # noqa: E402
+from sparsetrain.kernels.spmm import bitmap as si
+from sparsetrain.kernels.spmm import csl as sc
+from sparsetrain.kernels.spmm import op
+from sparsetrain.kernels.spmm import pair as sp
 
 SHAPES = [(28672, 7168), (7168, 28672), (9216, 36864), (36864, 9216), (4096, 14336), (14336, 4096)]
 SPARSITIES = [0.5, 0.7, 0.8, 0.9]
@@ -92,15 +95,15 @@ def check(cw, dtype, n, bias=True) -> float:
     m, k = cw.shape
     x = torch.randn(n, k, device=DEV, dtype=dtype)
     b = torch.randn(m, device=DEV, dtype=dtype) if bias else None
-    y = si.spmm_infer(x, cw, b)
-    return rel_err(y, si.spmm_reference(x, cw, b))
+    y = op.spmm_infer(x, cw, b)
+    return rel_err(y, op.spmm_reference(x, cw, b))
 
 
-def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
+def run_point(m, k, s, tokens, with_csr=True, dtype=torch.float16):
     """All timings for one (shape, sparsity): dense, CSR and ours at each N."""
     w = random_sparse(m, k, s, dtype)
     t0 = time.perf_counter()
-    cw = si.compress(w)
+    cw = op.compress(w)
     if DEV == "cuda":
         torch.cuda.synchronize()
     compress_s = time.perf_counter() - t0
@@ -119,11 +122,11 @@ def run_point(m, k, s, tokens, with_csr=True, config=None, dtype=torch.float16):
     pair_copies = ([pair] + [clone_weight(pair) for _ in range(n_copies(pair.nbytes()) - 1)]) if pair_ok else []
     for n in tokens:
         x = torch.randn(n, k, device=DEV, dtype=dtype)
-        ref = si.spmm_reference(x, cw)
-        err_t = rel_err(si.spmm_triton(x, cw, config=config), ref)
+        ref = op.spmm_reference(x, cw)
+        err_t = rel_err(si.spmm_triton(x, cw), ref)
         err_c = rel_err(si.spmm_cuda(x, cw), ref) if cuda_ok else None
         t_dense = bench(Rotating(dense_copies, lambda wt, x=x: F.linear(x, wt)))
-        t_triton = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_triton(x, c, config=config)))
+        t_triton = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_triton(x, c)))
         t_cuda = bench(Rotating(ours_copies, lambda c, x=x: si.spmm_cuda(x, c))) if cuda_ok else None
         t_ours = t_cuda if t_cuda is not None else t_triton
         err_csl = rel_err(sc.spmm_csl_cuda(x, csl), ref) if csl_ok else None
@@ -163,7 +166,7 @@ def env() -> dict:
             "torch": torch.__version__, "triton": triton.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else 0,
-            "config": dict(si.CONFIG), "break_even_sparsity": si.BREAK_EVEN_SPARSITY}
+            "config": dict(si.CONFIG), "break_even_sparsity": op.BREAK_EVEN_SPARSITY}
 
 
 def edge_weight(m: int, k: int, dtype) -> torch.Tensor:
@@ -184,57 +187,29 @@ def correctness() -> list[dict]:
         cases = [((m, k), s, random_sparse(m, k, s, dtype)) for (m, k) in shapes for s in (0.5, 0.9)]
         cases.append(((1024, 1024), "edge", edge_weight(1024, 1024, dtype)))
         for (m, k), s, w in cases:
-            cw = si.compress(w)
+            cw = op.compress(w)
             for n in (1, 5, 13, 16, 33, 64):
                 x = torch.randn(n, k, device=DEV, dtype=dtype)
                 b = torch.randn(m, device=DEV, dtype=dtype)
-                ref = si.spmm_reference(x, cw, b)
+                ref = op.spmm_reference(x, cw, b)
                 row = {"dtype": str(dtype), "M": m, "K": k, "sparsity": s, "N": n,
-                       "rel_err": rel_err(si.spmm_infer(x, cw, b), ref),
+                       "rel_err": rel_err(op.spmm_infer(x, cw, b), ref),
                        "rel_err_triton": rel_err(si.spmm_triton(x, cw, b), ref)}
                 if DEV == "cuda" and si.cuda_kernel_usable(x, cw):
                     for split in (1, 3):
                         row[f"rel_err_cuda_split{split}"] = rel_err(si.spmm_cuda(x, cw, b, split_k=split), ref)
                     xs = torch.randn(n, k + 3, device=DEV, dtype=dtype)[:, 1:k + 1]  # misaligned view
-                    row["rel_err_cuda_view"] = rel_err(si.spmm_cuda(xs, cw), si.spmm_reference(xs, cw))
+                    row["rel_err_cuda_view"] = rel_err(si.spmm_cuda(xs, cw), op.spmm_reference(xs, cw))
                     cl = sc.compress_csl(w)
                     for split in (1, 3, None):
                         row[f"rel_err_csl_split{split}"] = rel_err(sc.spmm_csl_cuda(x, cl, b, split_k=split), ref)
-                    row["rel_err_csl_view"] = rel_err(sc.spmm_csl_cuda(xs, cl), si.spmm_reference(xs, cw))
+                    row["rel_err_csl_view"] = rel_err(sc.spmm_csl_cuda(xs, cl), op.spmm_reference(xs, cw))
                     pw = sp.compress_pair(w)
                     for split in (1, 3, None):
                         row[f"rel_err_pair_split{split}"] = rel_err(sp.spmm_pair_cuda(x, pw, b, split_k=split), ref)
-                    row["rel_err_pair_view"] = rel_err(sp.spmm_pair_cuda(xs, pw), si.spmm_reference(xs, cw))
+                    row["rel_err_pair_view"] = rel_err(sp.spmm_pair_cuda(xs, pw), op.spmm_reference(xs, cw))
                 out.append(row)
     return out
-
-
-def cuda_waves_sweep() -> list[dict]:
-    """The CUDA kernels' launch knobs at N = 16: blocks per multiprocessor aimed at by split-K (``waves``) and
-    the register cap (``SPT_MIN_BLOCKS`` build variants)."""
-    res = []
-    variants = [(), ("SPT_MIN_BLOCKS_SMALL_N=1",), ("SPT_MIN_BLOCKS_SMALL_N=6",)]
-    for (m, k) in [(28672, 7168), (4096, 14336)]:
-        for s in (0.7, 0.9):
-            w = random_sparse(m, k, s)
-            x = torch.randn(16, k, device=DEV, dtype=torch.float16)
-            dense = bench(lambda x=x, w=w: F.linear(x, w))
-            for kind, cw in (("bitmap", si.compress(w)), ("csl", sc.compress_csl(w)), ("pair", sp.compress_pair(w))):
-                copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
-                fn = {"bitmap": si.spmm_cuda, "csl": sc.spmm_csl_cuda, "pair": sp.spmm_pair_cuda}[kind]
-                ref = si.spmm_reference(x, si.compress(w))
-                extra = [("SPT_PAIR_LUT=1",)] if kind == "pair" else []
-                for defines in variants + extra:
-                    err = rel_err(fn(x, cw, defines=defines), ref)
-                    for waves in (4, 8, 16):
-                        t = bench(Rotating(copies, lambda c, x=x, wv=waves, d=defines, f=fn: f(x, c, waves=wv,
-                                                                                             defines=d)))
-                        res.append({"kernel": kind, "M": m, "K": k, "sparsity": s, "defines": list(defines),
-                                    "waves": waves, "ms": t, "dense_ms": dense, "speedup": dense / t, "rel_err": err})
-                        print(f"  {kind} {m}x{k} s={s} {defines or 'default'} waves={waves}: {t * 1e3:.1f} us "
-                              f"({dense / t:.2f}x) err {err:.1e}", flush=True)
-                del copies
-    return res
 
 
 def prefill_expand() -> list[dict]:
@@ -243,7 +218,7 @@ def prefill_expand() -> list[dict]:
     rows = []
     print("format shape sparsity | expand torch ms | expand Triton ms | 512-token linear: dense / via torch / "
           "spmm_infer (Triton expansion) ms")
-    for fmt, make in (("csl", sc.compress_csl), ("pair", sp.compress_pair), ("bitmap", si.compress)):
+    for fmt, make in (("csl", sc.compress_csl), ("pair", sp.compress_pair), ("bitmap", op.compress)):
         for (m, k) in ((14336, 4096), (4096, 14336)):
             for s in (0.8, 0.9):
                 w = random_sparse(m, k, s)
@@ -255,7 +230,7 @@ def prefill_expand() -> list[dict]:
                      "expand_triton": bench(lambda c=c: c.to_dense(use_kernel=True)),
                      "dense": bench(lambda x=x, w=w: F.linear(x, w)),
                      "via_torch": bench(lambda x=x, c=c: F.linear(x, c.to_dense(use_kernel=False))),
-                     "spmm_infer": bench(lambda x=x, c=c: si.spmm_infer(x, c))}
+                     "spmm_infer": bench(lambda x=x, c=c: op.spmm_infer(x, c))}
                 rows.append(r)
                 print(f"{fmt} {m}x{k} {s} | {r['expand_torch']:.3f} | {r['expand_triton']:.3f} | {r['dense']:.3f} "
                       f"/ {r['via_torch']:.3f} ({r['dense'] / r['via_torch']:.2f}x) / {r['spmm_infer']:.3f} "
@@ -263,87 +238,10 @@ def prefill_expand() -> list[dict]:
     return rows
 
 
-def split_sweep() -> list[dict]:
-    """Time of the CUDA kernels against the split-K factor (CTAs = row tiles x split) at 90%, N = 16 and 64:
-    how the launch should fill the GPU (a split that leaves a small last wave of CTAs costs a whole wave)."""
-    res = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for (m, k) in [(28672, 7168), (4096, 14336), (14336, 4096), (7168, 28672)]:
-        w = random_sparse(m, k, 0.9)
-        for kind, cw, fn in (("pair", sp.compress_pair(w), sp.spmm_pair_cuda), ("bitmap", si.compress(w), si.spmm_cuda)):
-            copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
-            tm, tk = cw.tile_offsets.shape
-            for n in (16, 64):
-                x = torch.randn(n, k, device=DEV, dtype=torch.float16)
-                dense = bench(lambda x=x, w=w: F.linear(x, w))
-                splits = sorted({s for s in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64)
-                                 if s <= tk} | {math.ceil(8 * sms / tm), max(1, 8 * sms // tm)})
-                for split in splits:
-                    t = bench(Rotating(copies, lambda c, x=x, sk=split, f=fn: f(x, c, split_k=sk)))
-                    tps = math.ceil(tk / split)
-                    res.append({"kernel": kind, "M": m, "K": k, "N": n, "split_k": split, "ctas": tm * math.ceil(tk / tps),
-                                "tiles_per_cta": tps, "ms": t, "dense_ms": dense, "speedup": dense / t})
-                best = min((r for r in res if r["kernel"] == kind and r["M"] == m and r["K"] == k and r["N"] == n),
-                           key=lambda r: r["ms"])
-                print(f"  {kind} {m}x{k} N={n}: best split {best['split_k']} ({best['ctas']} CTAs, "
-                      f"{best['tiles_per_cta']} tiles each) {best['speedup']:.2f}x; "
-                      + " ".join(f"{r['split_k']}:{r['speedup']:.2f}" for r in res
-                                 if r["kernel"] == kind and r["M"] == m and r["K"] == k and r["N"] == n), flush=True)
-            del copies
-    return res
-
-
-def sweep(args) -> dict:
-    """Launch configurations (block_m, num_warps, num_stages, waves) at N = 16, 80% sparsity; then the
-    default configuration across sparsities, to see whether time follows bytes or decoded elements."""
-    results = []
-    configs = [{"num_warps": w, "num_stages": st, "waves": wv}
-               for w in (4, 8) for st in (1, 2) for wv in (1, 2, 4)]
-    shapes = [(28672, 7168), (4096, 14336)] if DEV == "cuda" else [(128, 256)]
-    for (m, k) in shapes:
-        for s in (0.8,):
-            w = random_sparse(m, k, s)
-            x = torch.randn(16, k, device=DEV, dtype=torch.float16)
-            dense = bench(lambda x=x, w=w: F.linear(x, w))
-            for bm in (64, 128):
-                cw = si.compress(w, block_m=bm)
-                copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
-                for cfg in configs:
-                    try:
-                        err = rel_err(si.spmm_triton(x, cw, config=cfg), si.spmm_reference(x, cw))
-                        t = bench(Rotating(copies, lambda c, x=x, cfg=cfg: si.spmm_triton(x, c, config=cfg)))
-                    except Exception as e:  # e.g. out of shared memory / registers for a tile shape
-                        print(f"  {m}x{k} bm{bm} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                        continue
-                    results.append({"M": m, "K": k, "sparsity": s, "N": 16, "block_m": bm, **cfg,
-                                    "dense_ms": dense, "ours_ms": t, "speedup": dense / t, "rel_err": err})
-                    print(f"  {m}x{k} s={s} bm{bm} {cfg}: {t * 1e3:.1f} us, {dense / t:.2f}x, err {err:.1e}")
-                del copies
-    for (m, k) in shapes[:1]:
-        for s in (0.5, 0.9, 0.97):
-            w = random_sparse(m, k, s)
-            x = torch.randn(16, k, device=DEV, dtype=torch.float16)
-            dense = bench(lambda x=x, w=w: F.linear(x, w))
-            for bm in (64, 128):
-                cw = si.compress(w, block_m=bm)
-                copies = [cw] + [clone_weight(cw) for _ in range(n_copies(cw.nbytes()) - 1)]
-                t = bench(Rotating(copies, lambda c, x=x: si.spmm_triton(x, c)))
-                results.append({"M": m, "K": k, "sparsity": s, "N": 16, "block_m": bm, **si.CONFIG,
-                                "dense_ms": dense, "ours_ms": t, "speedup": dense / t,
-                                "ours_TBps": cw.nbytes() / t / 1e9})
-                print(f"  {m}x{k} s={s} bm{bm} default: {t * 1e3:.1f} us, {dense / t:.2f}x, "
-                      f"{cw.nbytes() / t / 1e9:.2f} TB/s")
-                del copies
-    return {"sweep": results}
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="sparsetrain bench inference", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--sweep", action="store_true", help="launch-configuration sweep instead of the table")
-    ap.add_argument("--no-csr", action="store_true")
-    ap.add_argument("--cuda-waves", action="store_true", help="also sweep the CUDA kernel's split-K target")
-    ap.add_argument("--split-sweep", action="store_true", help="only time the CUDA kernels against split-K")
+    ap.add_argument("--no-csr", action="store_true", help="leave cuSPARSE CSR out of the table")
     ap.add_argument("--prefill", action="store_true",
                     help="only the prefill path: weight expansion (torch vs Triton) and a 512-token linear")
     ap.add_argument("--profile", choices=["triton", "cuda", "csl", "pair"],
@@ -352,53 +250,48 @@ def main() -> None:
     ap.add_argument("--shapes", default="all", help="'all' or e.g. 28672x7168,4096x14336")
     ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.manual_seed(0)
     if args.profile:
-        m, k = (28672, 7168) if DEV == "cuda" else (256, 128)
-        w = random_sparse(m, k, args.profile_sparsity)
-        cw, cl, pw = si.compress(w), sc.compress_csl(w), sp.compress_pair(w)
-        x = torch.randn(16, k, device=DEV, dtype=torch.float16)
-        fn = {"triton": lambda: si.spmm_triton(x, cw), "cuda": lambda: si.spmm_cuda(x, cw),
-              "csl": lambda: sc.spmm_csl_cuda(x, cl), "pair": lambda: sp.spmm_pair_cuda(x, pw)}[args.profile]
-        for _ in range(5):
-            fn()
-        return
+        profile(args.profile, args.profile_sparsity)
+        return 0
     info = env()
     if args.prefill:
         info["prefill"] = prefill_expand()
         save(args.out, "bench_prefill.json", info)
-        return
-    if args.split_sweep:
-        info["split_sweep"] = split_sweep()
-        save(args.out, "bench_split.json", info)
-        return
+        return 0
     info["copy_TBps"] = copy_bandwidth()
     print(json.dumps(info))
     info["correctness"] = correctness()
     worst = max(v for r in info["correctness"] for key, v in r.items() if key.startswith("rel_err"))
     print(f"correctness vs reference ({len(info['correctness'])} cases, fp16/bf16, N=1..64, every kernel): "
           f"worst rel err {worst:.2e}", flush=True)
-    if args.cuda_waves:
-        info["cuda_waves"] = cuda_waves_sweep()
-    if args.sweep:
-        info.update(sweep(args))
-        name = "bench_sweep.json"
-    else:
-        shapes = (SHAPES if args.shapes == "all"
-                  else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")])
-        rows = info["rows"] = []
-        name = "bench_inference.json"
-        for (m, k) in shapes:
-            for s in map(float, args.sparsities.split(",")):
-                rows += run_point(m, k, s, list(map(int, args.tokens.split(","))), with_csr=not args.no_csr)
-                r = [x for x in rows if x["M"] == m and x["K"] == k and x["sparsity"] == s]
-                print(f"{m}x{k} s={s}: " + " ".join(f"N{x['N']}:{x['speedup']:.2f}x" for x in r), flush=True)
-                save(args.out, name, info)  # after every point: a run cut short keeps what it measured
+    shapes = SHAPES if args.shapes == "all" else [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    rows = info["rows"] = []
+    name = "bench_inference.json"
+    for (m, k) in shapes:
+        for s in map(float, args.sparsities.split(",")):
+            rows += run_point(m, k, s, list(map(int, args.tokens.split(","))), with_csr=not args.no_csr)
+            r = [x for x in rows if x["M"] == m and x["K"] == k and x["sparsity"] == s]
+            print(f"{m}x{k} s={s}: " + " ".join(f"N{x['N']}:{x['speedup']:.2f}x" for x in r), flush=True)
+            save(args.out, name, info)  # after every point: a run cut short keeps what it measured
     save(args.out, name, info)
-    if not args.sweep:
-        print_table(info["rows"])
-        print_formats(info["rows"])
+    print_table(info["rows"])
+    print_formats(info["rows"])
+    return 0
+
+
+def profile(kernel: str, sparsity: float) -> None:
+    """Five launches of one kernel on a 28672x7168 weight at N = 16 (weights compressed and kernels built
+    first), a target for Nsight Compute."""
+    m, k = (28672, 7168) if DEV == "cuda" else (256, 128)
+    w = random_sparse(m, k, sparsity)
+    cw, cl, pw = op.compress(w), sc.compress_csl(w), sp.compress_pair(w)
+    x = torch.randn(16, k, device=DEV, dtype=torch.float16)
+    fn = {"triton": lambda: si.spmm_triton(x, cw), "cuda": lambda: si.spmm_cuda(x, cw),
+          "csl": lambda: sc.spmm_csl_cuda(x, cl), "pair": lambda: sp.spmm_pair_cuda(x, pw)}[kernel]
+    for _ in range(5):
+        fn()
 
 
 def save(out: str, name: str, info: dict) -> None:
@@ -434,7 +327,3 @@ def print_formats(rows) -> None:
         print(f"| {r['M']}x{r['K']} | {r['sparsity']:.0%} | {r['N']} | {r['dense_ms']:.4f} | "
               f"{cell(r['speedup'], r['bytes_per_elem'])} | {cell(r.get('csl_speedup'), r['csl_bytes_per_elem'])} | "
               f"{cell(r.get('pair_speedup'), r['pair_bytes_per_elem'])} |")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,17 +1,17 @@
-"""2:4 sparse-then-dense training on the GPU: correctness + side-by-side timings in one run.
+"""2:4 sparse-then-dense training on the GPU: correctness + timings against dense, side by side in one run.
 
-On the device machine:  PYTHONUNBUFFERED=1 python3 scripts/bench_semi24.py --out $OUT
-The operand-layout sweep of the probe (--probe-layouts) was run once (2026-11-21, H200); docs/semi24.md has it.
+    sparsetrain bench semi24 --out $OUT                       # env, prep, linear, vit
+    sparsetrain bench semi24 --sections fp16 --out $OUT       # fp16 errors, in a process of their own
+
 Sections (``--sections``, comma separated; each fails on its own and records its error):
   env     versions, GPU, cuSPARSELt version / max alg id
-  cslt_layout  cuSPARSELt compressed outputs of designed inputs, saved for offline study (cslt_*.pt)
-  probe   API probe: torch's tile kernel packing on this GPU, cuSPARSELt search, operand layouts x alg ids,
-          mask/compress kernels timed
+  prep    per-step weight preparation: mask kernel, fused cuSPARSELt packing, _cslt_compress, torch's tile kernel
   linear  fwd+bwd at the benchmark shapes: dense nn.Linear, torch's semi-structured peer, ours in each mode,
-          with the per-step mask+compress cost and bf16/fp16 errors vs the masked-dense reference
+          with the per-step mask+compress cost and bf16 errors vs the masked-dense reference
   fp16    fp16 errors of every mode at the linear shapes (run it in its own process)
   vit     ViT-L/16 training step (224 px, batch 64 = 12608 tokens): dense vs sparse phase (dispatch, all-2:4)
 Writes bench_semi24.json under --out and prints a short table last. Timings: triton.testing.do_bench medians.
+Past measurements: docs/history/semi24.md.
 """
 from __future__ import annotations
 
@@ -19,21 +19,16 @@ import argparse
 import datetime
 import json
 import os
-import sys
 import time
 import traceback
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
 from sparsetrain.kernels import semi24 as S
-from sparsetrain.kernels.semi24_format import plan_dispatch
 from sparsetrain.nn import SparseLinear
+from sparsetrain.nn.formats.semi24 import plan_dispatch
 
-R: dict = {}
-ARGS = argparse.Namespace(out=os.environ.get("OUT", "."), probe_layouts=False)
 DEV = "cuda"
 BF = torch.bfloat16
 LINEAR_SHAPES = [  # tokens, in, out
@@ -41,62 +36,29 @@ LINEAR_SHAPES = [  # tokens, in, out
     (16384, 4096, 16384), (16384, 16384, 4096),
     (13008, 1024, 4096), (13008, 4096, 1024),
 ]
+PREP_SHAPES = [(1024, 1024), (4096, 1024), (1024, 4096), (16384, 4096), (4096, 16384)]
 
 
-def bench(fn, rep=50, warmup=10, **kw):
+def bench(fn, rep=50, warmup=10, **kw) -> float:
+    """Median milliseconds (CUDA events, through triton.testing.do_bench)."""
     from triton.testing import do_bench
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median", **kw)
 
 
-def rel(a, b):
+def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def section(name, fn):
-    print(f"== {name}", flush=True)
-    t0 = time.time()
-    try:
-        R[name] = fn()
-    except Exception as e:  # noqa: BLE001 - keep going: one broken section must not lose the others
-        traceback.print_exc()
-        R[name] = {"error": repr(e)[:500]}
-    print(f"   ({time.time() - t0:.1f} s)", flush=True)
-
-
-# ---- env ----------------------------------------------------------------------------------------------
-def env():
+def env() -> dict:
     import triton
     out = {"torch": torch.__version__, "triton": triton.__version__, "gpu": torch.cuda.get_device_name(),
            "date": datetime.date.today().isoformat(), "cusparselt": torch.backends.cusparselt.version(),
-           "max_alg_id": torch.backends.cusparselt.get_max_alg_id(),
-           "cusparselt_bindings": sorted(dir(getattr(torch._C, "_cusparselt", object())))[-12:]}
+           "max_alg_id": torch.backends.cusparselt.get_max_alg_id()}
     print(out)
     return out
 
 
-# ---- probe --------------------------------------------------------------------------------------------
-def _probe_tile_kernel(n=1024, k=4096, t=4096):
-    """torch's fused tile kernel: does its cuSPARSELt packing give right products on this GPU?"""
-    w = torch.randn(n, k, device=DEV, dtype=BF)
-    packed, _, packed_t, _, bitmask = torch._sparse_semi_structured_tile(w, "largest_abs_values_greedy", False)
-    pruned = torch._sparse_semi_structured_apply_dense(w, bitmask)
-    info = {"packed": [tuple(packed.shape), str(packed.dtype)], "packed_t": tuple(packed_t.shape),
-            "bitmask": [tuple(bitmask.shape), str(bitmask.dtype)], "kept": pruned.ne(0).float().mean().item()}
-    for label, pk, a in (("fwd", packed.view(n, -1), pruned), ("t", packed_t.view(k, -1), pruned.t())):
-        xx = torch.randn(t, a.shape[1], device=DEV, dtype=BF)
-        try:
-            y = torch._cslt_sparse_mm(pk, xx.t(), transpose_result=True)
-            info[f"err_{label}"] = rel(y, xx.float() @ a.float().t())
-        except RuntimeError as e:
-            info[f"err_{label}"] = repr(e)[:200]
-    ok = torch._cslt_compress(pruned)
-    info["cslt_compress_shape"] = tuple(ok.shape)
-    info["same_bytes_as_cslt_compress"] = bool(ok.numel() == packed.numel() and
-                                               torch.equal(ok.reshape(-1), packed.reshape(-1)))
-    return info
-
-
-def _probe_prep(n, k):
+def _prep_times(n, k):
     """Per-step weight preparation costs (ms) for one weight shape."""
     w32 = torch.randn(n, k, device=DEV)
     wb = w32.to(BF)
@@ -120,121 +82,16 @@ def _probe_prep(n, k):
     return out
 
 
-def _probe_layouts(m, k, t):
-    """A (m, k) 2:4 times x (t, k): the four operand/result layouts, each at its best correct alg id."""
-    a = torch.randn(m, k, device=DEV, dtype=BF)
-    am = S.transposable24(a).wm
-    pk = S.compress(am)
-    x = torch.randn(t, k, device=DEV, dtype=BF)
-    xt = x.t().contiguous()
-    ref = x.float() @ am.float().t()
-    row = {"dense_ms": bench(lambda: F.linear(x, am), rep=25)}
-    # B = x read transposed (a view) or xᵀ made contiguous; result (t, m) [transpose_result] or (m, t)
-    for name, bb, tr in (("xT_view->Tm", x.t(), True), ("xT_view->mT", x.t(), False),
-                         ("xT_contig->Tm", xt, True), ("xT_contig->mT", xt, False)):
-        best, errs = None, []
-        for alg in range(S._max_alg_candidates()):
-            def mm(alg=alg, bb=bb, tr=tr):
-                return torch._cslt_sparse_mm(pk, bb, transpose_result=tr, alg_id=alg)
-            try:
-                y = mm()
-            except RuntimeError:
-                break
-            e = rel(y if tr else y.t(), ref)
-            errs.append(round(e, 4))
-            if not e < 1e-2:
-                continue
-            ms = bench(mm, rep=15, warmup=3)
-            if best is None or ms < best[1]:
-                best = (alg, ms)
-        row[name] = {"best_alg": best[0] if best else None, "ms": best[1] if best else None,
-                     "speedup": row["dense_ms"] / best[1] if best else None, "errs": errs}
-    return row
-
-
-def probe():
+def prep() -> dict:
+    """Per-step weight preparation costs (ms) at the prep shapes."""
     out = {}
-    try:
-        out["tile_kernel"] = _probe_tile_kernel()
-    except RuntimeError as e:
-        out["tile_kernel"] = {"error": repr(e)[:300]}
-    print("tile kernel:", out["tile_kernel"], flush=True)
-    w = torch.randn(1024, 4096, device=DEV, dtype=BF)
-    x = torch.randn(4096, 4096, device=DEV, dtype=BF)
-    am = S.transposable24(w).wm
-    pk = S.compress(am)
-    fn = getattr(getattr(torch._C, "_cusparselt", None), "mm_search", None)
-    try:
-        out["mm_search"] = repr(fn(pk, x.t(), None, None, None, True)) if fn else "absent"
-    except (RuntimeError, TypeError) as e:
-        out["mm_search"] = repr(e)[:200]
-    print("mm_search:", out["mm_search"], flush=True)
-    b = torch.randn(1024, device=DEV, dtype=BF)
-    y = torch._cslt_sparse_mm(pk, x.t(), b, transpose_result=True)
-    out["bias_fused_err"] = rel(y, x.float() @ am.float().t() + b.float())
-    print("bias fused err:", out["bias_fused_err"], flush=True)
-    out["prep_ms"] = {}
-    for (n, k) in [(1024, 1024), (4096, 1024), (1024, 4096), (16384, 4096), (4096, 16384)]:
-        r = out["prep_ms"][f"{n}x{k}"] = _probe_prep(n, k)
+    for (n, k) in PREP_SHAPES:
+        r = out[f"{n}x{k}"] = _prep_times(n, k)
         print(f"prep {n}x{k}: " + " ".join(f"{a}={v:.4f}" if isinstance(v, float) else f"{a}={v}"
                                            for a, v in r.items()), flush=True)
-    out["layouts"] = {}
-    for (m, k, t) in [] if not ARGS.probe_layouts else [(4096, 1024, 16384), (1024, 4096, 16384), (1024, 1024, 16384), (3072, 1024, 16384),
-                      (16384, 4096, 16384), (4096, 16384, 16384), (4096, 1024, 13008), (4096, 1024, 13056)]:
-        row = out["layouts"][f"{m}x{k}@T{t}"] = _probe_layouts(m, k, t)
-        print(f"layout m={m} k={k} T={t}: dense {row['dense_ms']:.3f} | " + " | ".join(
-            f"{nm}: a{v['best_alg']} {v['speedup']:.2f}x" if v["ms"] else f"{nm}: none"
-            for nm, v in row.items() if nm != "dense_ms"), flush=True)
-        print("   errs per alg (xT_view->Tm):", row["xT_view->Tm"]["errs"], flush=True)
     return out
 
 
-# ---- cuSPARSELt compressed layout: designed inputs, dumped for offline study -------------------------
-def _group_mask(pattern_ids):
-    """(n, k/4) ints in 0..5 -> (n, k) bool mask keeping the pair ``S._PAIRS[id]`` of every group of 4."""
-    pairs = torch.tensor(S._PAIRS, device=pattern_ids.device)
-    n, g = pattern_ids.shape
-    m = torch.zeros(n, g, 4, dtype=torch.bool, device=pattern_ids.device)
-    m.scatter_(2, pairs[pattern_ids], True)
-    return m.view(n, 4 * g)
-
-
-def cslt_layout():
-    """Compress designed matrices (uniform pair patterns, bit-sliced patterns by group index, kept values that
-    encode their own position) and random ones; save inputs and outputs as int16 bits for offline study."""
-    small, rand = {}, {}
-    for (n, k) in [(64, 64), (128, 128), (128, 256), (256, 128), (256, 512), (192, 320)]:
-        g = n * k // 4
-        gi = torch.arange(g, device=DEV).view(n, k // 4)
-        d = {}
-        for dt in (torch.float16, torch.bfloat16):
-            tag = str(dt)[6:]
-            for p in range(6):
-                w = _group_mask(torch.full_like(gi, p)).to(dt)
-                d[f"{tag}_pat{p}"] = S.compress(w).view(torch.int16).cpu()
-            for b in range(max(1, (g - 1).bit_length())):
-                w = _group_mask(torch.where((gi >> b) & 1 == 1, 5, 0)).to(dt)
-                d[f"{tag}_bit{b}"] = S.compress(w).view(torch.int16).cpu()
-        e = torch.arange(n * k // 2, device=DEV).view(n, k // 4, 2).float()
-        for name, vals in (("idlo", e % 1024 + 1), ("idhi", torch.div(e, 1024, rounding_mode="floor") + 1)):
-            w = torch.zeros(n, k // 4, 4, device=DEV)
-            w[..., :2] = vals
-            d[f"float16_{name}"] = S.compress(w.view(n, k).half()).view(torch.int16).cpu()
-        small[f"{n}x{k}"] = d
-    for (n, k, dt) in [(1024, 1024, torch.float16), (1024, 1024, torch.bfloat16),
-                       (512, 2048, torch.float16), (2048, 512, torch.bfloat16)]:
-        pid = torch.randint(0, 6, (n, k // 4), device=DEV)
-        w = (torch.randn(n, k, device=DEV) * _group_mask(pid)).to(dt)
-        rand[f"{n}x{k}_{str(dt)[6:]}"] = {"w": w.view(torch.int16).cpu(),
-                                           "c": S.compress(w).view(torch.int16).cpu()}
-    torch.save(small, os.path.join(ARGS.out, "cslt_small.pt"))
-    torch.save(rand, os.path.join(ARGS.out, "cslt_rand.pt"))
-    shapes = {kk: tuple(v["float16_pat0"].shape) for kk, v in small.items()}
-    print("compressed shapes:", shapes, flush=True)
-    return {"compressed_shapes": shapes}
-
-
-# ---- linear -------------------------------------------------------------------------------------------
 def _peer_step(w, x, g):
     """torch core's semi-structured path used for training: re-sparsify every step (torch's tile kernel),
     forward and input grad through the tensor subclass, weight grad dense (straight through)."""
@@ -341,7 +198,6 @@ def fp16():
     return out
 
 
-# ---- ViT-L step ---------------------------------------------------------------------------------------
 def vit(batch=64, rep=2000):
     from transformers import ViTConfig, ViTForImageClassification
 
@@ -400,10 +256,11 @@ def vit(batch=64, rep=2000):
     return out
 
 
-def table():
-    e = R.get("env", {})
+def table(results: dict) -> str:
+    """A markdown summary of the linear and ViT sections."""
+    e = results.get("env", {})
     lines = [f"# {e.get('gpu')}  torch {e.get('torch')}  triton {e.get('triton')}  {e.get('date')}"]
-    lin = R.get("linear", {})
+    lin = results.get("linear", {})
     if isinstance(lin, dict) and "error" not in lin:
         lines.append("| tokens x in->out | dense ms | 24 | 24fwd | masked dense | prep ms | peer train | max err |")
         lines.append("|---|---|---|---|---|---|---|---|")
@@ -415,7 +272,7 @@ def table():
                          f"{r['dense'] / r['ours_24fwd']:.3f}x | {r['dense'] / r['ours_dense']:.3f}x | "
                          f"{r['ours_prep'] or float('nan'):.3f} | {pt} | "
                          f"{max(v for k, v in r.items() if k.startswith('err_')):.1e} |")
-    v = R.get("vit", {})
+    v = results.get("vit", {})
     if isinstance(v, dict) and "dense" in v:
         for name in ("dense", "sparse_dispatch", "sparse_all24", "dense_again"):
             if name in v:
@@ -426,17 +283,40 @@ def table():
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="env,probe,linear,vit")  # also: cslt_layout
+SECTIONS = {"env": env, "prep": prep, "linear": linear, "fp16": fp16, "vit": vit}
+
+
+def run_section(results: dict, name: str) -> None:
+    """Runs one section into ``results[name]``; an exception is printed and recorded, not raised."""
+    print(f"== {name}", flush=True)
+    t0 = time.time()
+    try:
+        results[name] = SECTIONS[name]()
+    except Exception as e:  # noqa: BLE001 - keep going: one broken section must not lose the others
+        traceback.print_exc()
+        results[name] = {"error": repr(e)[:500]}
+    print(f"   ({time.time() - t0:.1f} s)", flush=True)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="sparsetrain bench semi24", description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="env,prep,linear,vit", help=f"comma separated, of {sorted(SECTIONS)}")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tag", default="", help="suffix of the json file name")
-    ap.add_argument("--probe-layouts", action="store_true", help="probe: also sweep operand layouts x alg ids")
-    args = ARGS = ap.parse_args()
-    fns = {"env": env, "probe": probe, "cslt_layout": cslt_layout, "linear": linear, "fp16": fp16, "vit": vit}
+    args = ap.parse_args(argv)
+    names = args.sections.split(",")
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        ap.error(f"unknown sections {unknown}; known: {sorted(SECTIONS)}")
+    if not torch.cuda.is_available():
+        print("sparsetrain bench semi24 needs a CUDA GPU", flush=True)
+        return 2
     torch.manual_seed(0)
-    for s in args.sections.split(","):
-        section(s, fns[s])
+    results: dict = {}
+    os.makedirs(args.out, exist_ok=True)
+    for name in names:
+        run_section(results, name)
         with open(os.path.join(args.out, f"bench_semi24{args.tag}.json"), "w") as f:
-            json.dump(R, f, indent=1, default=str)
-    print(table())
+            json.dump(results, f, indent=1, default=str)
+    print(table(results))
+    return 0
