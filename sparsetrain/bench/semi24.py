@@ -187,8 +187,8 @@ def linear():
 
 
 def fp16():
-    """fp16 correctness of every mode at the benchmark shapes (run in its own process: an earlier fp16 kernel
-    variant faulted the GPU context on the H200)."""
+    """fp16 correctness of every mode at the benchmark shapes. Run it in its own process: a fault of the GPU
+    context in fp16 (seen on the H200, docs/history/semi24.md) would lose the other sections."""
     out = {}
     for (t, k, n) in LINEAR_SHAPES:
         row = out[f"{t}x{k}->{n}"] = _linear_errors(t, k, n, (torch.float16,))

@@ -19,8 +19,8 @@ TOKEN_ALIGN = 16
 # cuSPARSELt's structured operand wants both dims divisible by 16 for 16-bit types.
 CSLT_ALIGN = 16
 # Compute dtypes that take the cuSPARSELt path (others run masked dense with the same mask). fp16 is out:
-# on the H200 (cuSPARSELt 0.8, torch 2.11, 2026-11-21) each of three runs had an illegal-instruction fault of
-# the CUDA context in its first sweep of the fp16 alg ids, and such a fault cannot be caught.
+# on the H200 (cuSPARSELt 0.8, torch 2.11) sweeping the fp16 alg ids faults the CUDA context (illegal
+# instruction), and such a fault cannot be caught (docs/history/semi24.md).
 SPARSE_DTYPES = (torch.bfloat16,)
 
 
