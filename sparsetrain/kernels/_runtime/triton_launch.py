@@ -1,19 +1,19 @@
-"""Direct launches of compiled Triton kernels for the block-sparse launch plans (host cost).
+"""Direct launches of compiled Triton kernels for the launch plans (host cost).
 
 A Triton launch ``fn[grid](*args, **constexprs)`` goes through the JIT dispatcher every time: it binds the
 arguments, computes each one's specialization (16-byte alignment of pointers, divisibility of integers), builds
-a cache key, looks the compiled kernel up and only then calls its launcher. On the H200 host that is 18.5 µs per
-launch of the TMA forward kernel, of which the launcher itself is 8.4 µs (docs/blocksparse.md, round 6). A launch
-plan calls the same kernel with the same integers and constexprs on every step, only with new data pointers, so
-:class:`KernelLaunch` keeps the kernel the dispatcher returned on its first call and calls its launcher directly
-as long as nothing the dispatcher decides on has changed:
+a cache key, looks the compiled kernel up and only then calls its launcher, which is less than half of the
+host time of the whole launch (docs/history/blocksparse.md). A launch plan calls the same kernel with the same
+integers and constexprs on every step, only with new data pointers, so :class:`KernelLaunch` keeps the kernel
+the dispatcher returned on its first call and calls its launcher directly as long as nothing the dispatcher
+decides on has changed:
 
 - every argument has the same specialization as at the first call: tensors the same 16-byte alignment, dtype
   and device; host-made tensor descriptors the same dtype, device, shape, strides, block shape and padding
   (only the base pointer may differ); integers, floats, booleans and ``None`` the same values (any other kind
   of argument always takes the dispatcher);
 - no launch hook is installed (a profiler such as proton adds them) and the function has no pre-run hooks;
-- ``SPARSETRAIN_FAST_LAUNCH`` is not ``0`` (:data:`ENABLED`).
+- ``KernelOptions.fast_launch`` is on (read at every call: turning it off takes effect at once).
 
 Otherwise the call goes through the dispatcher, exactly as before. Triton knobs changed after the first launch
 (e.g. ``TRITON_DEBUG``) are not seen by a kernel already kept.
@@ -21,13 +21,11 @@ Otherwise the call goes through the dispatcher, exactly as before. Triton knobs 
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 from torch import Tensor
 
-ENABLED = os.environ.get("SPARSETRAIN_FAST_LAUNCH", "1") != "0"
-
+from sparsetrain.kernels._runtime.options import kernel_options
 
 _RUNTIME = []  # [triton.knobs.runtime] once imported ([] before; [None] for a Triton without knobs)
 
@@ -104,7 +102,8 @@ class KernelLaunch:
 
     def __call__(self, *args) -> None:
         c = self.compiled
-        if c is not None and self.same(args):
+        fast = kernel_options().fast_launch
+        if c is not None and fast and self.same(args):
             rt = _RUNTIME[0]
             enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
             if _idle(enter) and _idle(leave):
@@ -113,7 +112,7 @@ class KernelLaunch:
                       *args, *self.tail)
                 return
         kernel = self.fn[self.grid](*args, **self.kwargs)
-        if c is None and ENABLED and not self.refused:
+        if c is None and fast and not self.refused:
             self._keep(kernel, args)
             self.refused = self.compiled is None
 

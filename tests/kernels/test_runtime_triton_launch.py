@@ -3,6 +3,7 @@ the arguments keep the specialization the dispatcher chose (CPU: a stand-in for 
 import pytest
 import torch
 
+from sparsetrain.kernels import use_kernel_options
 from sparsetrain.kernels._runtime import triton_launch as tl_launch
 from sparsetrain.kernels._runtime.triton_launch import KernelLaunch
 
@@ -50,7 +51,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(tl_launch, "_RUNTIME", [rt])
     monkeypatch.setattr(tl_launch, "_on_gpu", lambda tensors: True)
     monkeypatch.setattr(tl_launch, "_stream", lambda index: 7)
-    monkeypatch.setattr(tl_launch, "ENABLED", True)
     return rt
 
 
@@ -97,14 +97,13 @@ def test_a_changed_specialization_takes_the_dispatcher(fake_gpu, change):
     assert jit.log[-1][0] == ("dispatch" if change == "hook" else "direct")
 
 
-def test_nothing_is_kept_when_disabled_or_not_compiled(fake_gpu, monkeypatch):
+def test_nothing_is_kept_when_disabled_or_not_compiled(fake_gpu):
     jit = _Jit()
-    monkeypatch.setattr(tl_launch, "ENABLED", False)
     launch = KernelLaunch(jit, (5,), {"BLOCK": 16})
-    launch(*_args())
-    launch(*_args())
+    with use_kernel_options(fast_launch=False):
+        launch(*_args())
+        launch(*_args())
     assert [e[0] for e in jit.log] == ["dispatch", "dispatch"]
-    monkeypatch.setattr(tl_launch, "ENABLED", True)
     jit.__class__ = type("Interp", (_Jit,), {"__getitem__": lambda self, g: (lambda *a, **k: None)})
     launch = KernelLaunch(jit, (5,), {"BLOCK": 16})  # the interpreter returns no compiled kernel
     launch(*_args())
@@ -154,3 +153,14 @@ def test_a_refused_launch_is_not_examined_again(fake_gpu, monkeypatch):
     for _ in range(3):
         launch(object(), None, 3)  # an argument kind the direct path does not take
     assert len(calls) == 1 and [e[0] for e in jit.log] == ["dispatch"] * 3
+
+
+def test_turning_fast_launch_off_bypasses_a_kept_kernel(fake_gpu):
+    """``KernelOptions.fast_launch`` is read at every call: off, even a kernel already kept takes the dispatcher."""
+    jit = _Jit()
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16})
+    launch(*_args())
+    with use_kernel_options(fast_launch=False):
+        launch(*_args())
+    launch(*_args())
+    assert [e[0] for e in jit.log] == ["dispatch", "dispatch", "direct"]

@@ -1,12 +1,12 @@
 """Plain-torch reference for the block-sparse linear layer: runs anywhere, differentiable, and is what the
 Triton kernels are tested against.
 
-The compressed weight is ``values [n_blocks, br, bc]`` plus a :class:`~sparsetrain.kernels.blocksparse.
-BlockSparseMeta` (only its ``row_idx`` / ``col_idx`` and shapes are used here). The reference scatters the
+The compressed weight is ``values [n_blocks, br, bc]`` plus a :class:`~.meta.BlockSparseMeta` (only its
+``row_idx`` / ``col_idx`` and shapes are used here). The reference scatters the
 blocks into a dense ``W [O, I]`` and calls ``F.linear``: the same function as the kernels, at dense cost.
 
 >>> import torch
->>> from sparsetrain.kernels.blocksparse import BlockSparseMeta
+>>> from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 >>> meta = BlockSparseMeta.from_mask(torch.tensor([[True, False], [False, True]]), 16)
 >>> w = torch.randn(32, 32)
 >>> v = dense_to_values(w, meta)
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from sparsetrain.kernels.blocksparse import BlockSparseMeta
+    from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 
 
 def block_index(meta: BlockSparseMeta) -> tuple[Tensor, Tensor]:

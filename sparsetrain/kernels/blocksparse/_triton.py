@@ -2,8 +2,8 @@
 
 The weight ``W [O, I]`` is stored compressed: ``values [n_blocks, B, B]`` holds only the active ``B x B``
 blocks, in row-major block order (slot ``s`` is the ``s``-th active block when the block grid is read row by
-row). :mod:`sparsetrain.kernels.blocksparse` builds the int32 metadata and launches these kernels; it also
-explains the launch geometry. Two kernels cover the three products for every block size:
+row). :mod:`.meta` builds the int32 metadata and :mod:`.gather` / :mod:`.tma` launch these kernels. Two
+kernels cover the three products for every block size:
 
 - :func:`dense_x_blocksparse_kernel` (``out = A · B`` with ``B`` block-sparse): the forward pass
   (``A = X``, ``B = Wᵀ``, entries listed per block-row of ``W``) and the input gradient (``A = dY``,
@@ -245,9 +245,9 @@ def dense_x_blocksparse_tma_kernel(
 ):
     """The dense x block-sparse product with both operands fetched by the Tensor Memory Accelerator: one
     program per (BLOCK_T tokens, output column block); the tile loads are whole [BLOCK_T, BLOCK] / [BLOCK, BLOCK]
-    boxes at data-dependent coordinates, so no thread computes a gather address. By default the descriptors are
-    made on the device; host-made ones (HOST_DESC) are faster on the GPU but Triton encodes them at every launch
-    (30 vs 23-25 µs of host time per launch on the H200 host, docs/blocksparse.md round 5)."""
+    boxes at data-dependent coordinates, so no thread computes a gather address. Eager launches make the
+    descriptors on the device; under CUDA-graph capture they come made on the host (HOST_DESC), which Triton
+    encodes at every launch but a graph only once (docs/history/blocksparse.md)."""
     if HOST_DESC:
         a_desc = a_ptr
         v_desc = v_ptr
@@ -300,7 +300,7 @@ def sampled_grad_tma_kernel(
     """dW at active blocks with TMA loads: one program per (group, token slice) reduces
     ``acc[n, k] = sum_t dY[t, r*B + n] · X[t, kb*B + k]``, which is the block as stored (no transposed store).
     With ``GROUP = 2`` the two blocks of a group share each dY tile: 21 instead of 16 MACs per byte loaded
-    (the 50%-dense products are bound by L2 bandwidth, docs/blocksparse.md round 6)."""
+    (the 50%-dense products are bound by L2 bandwidth, docs/history/blocksparse.md)."""
     if HOST_DESC:
         x_desc = x_ptr
         dy_desc = dy_ptr

@@ -1,0 +1,155 @@
+"""The compressed block-sparse weight: which ``b x b`` blocks of ``W [O, I]`` exist, as int32 index arrays.
+
+The values live in ``values [n_blocks, b, b]``, the active blocks in row-major block order (slot ``s`` is the
+``s``-th active block of the grid read row by row). :class:`BlockSparseMeta` holds
+
+- ``row_ptr [R+1]``, ``col_idx [n]``, ``row_idx [n]``: CSR over block rows (forward ``Y = X·Wᵀ``);
+- ``col_ptr [C+1]``, ``t_row_idx [n]``, ``t_slot [n]``: the *transpose* metadata, CSR over block columns,
+  each entry naming its block row and its slot in ``values`` (input gradient ``dX = dY·W`` without a
+  transposed copy of the values).
+
+It is rebuilt from the layer's bool block mask ``[O/b, I/b]`` only when the topology changes; everything
+derived from it (entry lists, CUDA tables, launch plans) is cached on it and dropped with it.
+
+>>> import torch
+>>> meta = BlockSparseMeta.from_mask(torch.tensor([[True, False], [True, True]]), 16)
+>>> meta.n_blocks, meta.grid, meta.col_idx.tolist()
+(3, (2, 2), [0, 0, 1])
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from sparsetrain.sparsity.layout import Block
+
+#: Square block edges the kernels take; other blocks (1, 4, 8, rectangular) run the plain-torch reference.
+KERNEL_BLOCKS = (16, 32, 64, 128)
+
+
+@dataclass(eq=False)
+class BlockSparseMeta:
+    """Index arrays of a block-sparse ``[out_features, in_features]`` weight (see the module docstring)."""
+
+    out_features: int
+    in_features: int
+    block_rows: int
+    block_cols: int
+    n_blocks: int
+    row_ptr: Tensor
+    col_idx: Tensor
+    row_idx: Tensor
+    col_ptr: Tensor
+    t_row_idx: Tensor
+    t_slot: Tensor
+    _groups: dict = field(default_factory=dict, repr=False)
+
+    TENSORS: ClassVar[tuple[str, ...]] = ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_row_idx", "t_slot")
+
+    @classmethod
+    def from_mask(cls, mask: Tensor, block: Block | int | str | tuple[int, int]) -> BlockSparseMeta:
+        """Build the metadata from a bool block mask ``[O/br, I/bc]`` (on the mask's device)."""
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+        if mask.dim() != 2:
+            raise ValueError(f"mask must be a 2-D block grid, got shape {tuple(mask.shape)}")
+        blk = Block.parse(block)
+        R, C = mask.shape
+        dev = mask.device
+        rows, cols = mask.nonzero(as_tuple=True)  # row-major order = slot order
+        n = int(rows.numel())
+        row_ptr = torch.zeros(R + 1, dtype=torch.int64, device=dev)
+        row_ptr[1:] = mask.sum(1).cumsum(0)
+        col_ptr = torch.zeros(C + 1, dtype=torch.int64, device=dev)
+        col_ptr[1:] = mask.sum(0).cumsum(0)
+        slot_of = torch.full((R, C), -1, dtype=torch.int64, device=dev)
+        slot_of[rows, cols] = torch.arange(n, device=dev)
+        t_cols, t_rows = mask.t().nonzero(as_tuple=True)  # column-major order: per column, rows ascending
+        i32 = torch.int32
+        return cls(R * blk.rows, C * blk.cols, blk.rows, blk.cols, n,
+                   row_ptr.to(i32), cols.to(i32), rows.to(i32),
+                   col_ptr.to(i32), t_rows.to(i32), slot_of[t_rows, t_cols].to(i32))
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.out_features // self.block_rows, self.in_features // self.block_cols
+
+    @property
+    def block(self) -> int:
+        """Edge of a square block (raises for rectangular blocks)."""
+        if self.block_rows != self.block_cols:
+            raise ValueError(f"block {self.block_rows}x{self.block_cols} is not square")
+        return self.block_rows
+
+    @property
+    def density(self) -> float:
+        R, C = self.grid
+        return self.n_blocks / max(1, R * C)
+
+    @property
+    def device(self) -> torch.device:
+        return self.row_ptr.device
+
+    @property
+    def kernel_supported(self) -> bool:
+        """Square blocks of 16/32/64/128 run on the Triton kernels; others use the reference path."""
+        return self.block_rows == self.block_cols and self.block_rows in KERNEL_BLOCKS
+
+    def with_tensors(self, **tensors: Tensor) -> BlockSparseMeta:
+        """Same topology, index tensors replaced (e.g. after ``module.to(device)``); caches are dropped."""
+        return replace(self, **tensors, _groups={})
+
+    def to(self, device: torch.device | str) -> BlockSparseMeta:
+        return self.with_tensors(**{k: getattr(self, k).to(device) for k in self.TENSORS})
+
+    def padded_entries(self, forward: bool, group_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Entry lists of the dense x block-sparse kernel, per output column block, each padded to a
+        multiple of ``group_k`` (at least one group, so empty output blocks are written too):
+        ``(ptr [n_out+1], kidx, slot (-1 = padding), out_block)``. Forward: per block row of W (CSR);
+        input gradient: per block column (the transpose metadata). Cached per ``(forward, group_k)``."""
+        key = ("dds", forward, group_k)
+        if key not in self._groups:
+            if forward:
+                ptr, kidx = self.row_ptr.long(), self.col_idx.long()
+                slot = torch.arange(self.n_blocks, device=self.device)
+            else:
+                ptr, kidx, slot = self.col_ptr.long(), self.t_row_idx.long(), self.t_slot.long()
+            n_out = ptr.numel() - 1
+            counts = ptr[1:] - ptr[:-1]
+            padded = ((counts + group_k - 1) // group_k).clamp(min=1) * group_k
+            pptr = torch.zeros(n_out + 1, dtype=torch.long, device=self.device)
+            pptr[1:] = padded.cumsum(0)
+            out_block = torch.repeat_interleave(torch.arange(n_out, device=self.device), padded)
+            pos = torch.arange(out_block.numel(), device=self.device) - pptr[out_block]
+            real = pos < counts[out_block]
+            src = (ptr[out_block] + pos).clamp(max=max(self.n_blocks - 1, 0))
+            if self.n_blocks == 0:
+                pk, ps = torch.zeros_like(pos), torch.full_like(pos, -1)
+            else:
+                pk = torch.where(real, kidx[src], 0)
+                ps = torch.where(real, slot[src], -1)
+            i32 = torch.int32
+            self._groups[key] = (pptr.to(i32), pk.to(i32), ps.to(i32), out_block.to(i32))
+        return self._groups[key]
+
+    def dw_groups(self, group: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        """Groups of up to ``group`` consecutive active blocks of one block row, for the weight-gradient
+        kernel: ``(row, first_slot, count, is_first_of_row, n_groups)``. Every block row has at least one
+        group (count 0 when empty) so that the fused bias gradient covers it. Cached per ``group``."""
+        key = ("dw", group)
+        if key not in self._groups:
+            R, _ = self.grid
+            ptr = self.row_ptr.long()
+            counts = ptr[1:] - ptr[:-1]
+            ng = ((counts + group - 1) // group).clamp(min=1)
+            total = int(ng.sum())
+            grow = torch.repeat_interleave(torch.arange(R, device=self.device), ng)
+            chunk = torch.arange(total, device=self.device) - torch.repeat_interleave(ng.cumsum(0) - ng, ng)
+            gstart = ptr[grow] + chunk * group
+            gcount = (ptr[grow + 1] - gstart).clamp(0, group)
+            i32 = torch.int32
+            self._groups[key] = (grow.to(i32), gstart.to(i32), gcount.to(i32), (chunk == 0).to(i32), total)
+        return self._groups[key]

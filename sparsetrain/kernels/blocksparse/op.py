@@ -1,0 +1,269 @@
+"""The block-sparse linear layer: ``y = x · W_effᵀ + b`` where only the active ``b x b`` blocks of ``W [O, I]``
+exist in memory (``values`` plus a :class:`~.meta.BlockSparseMeta`), as an autograd function and as
+``torch.library`` custom ops for ``torch.compile``.
+
+On CUDA (or under ``TRITON_INTERPRET=1``) with square blocks of 16, 32, 64 or 128 the three products run on
+the tuned kernels of :mod:`.plans` (Triton gather and TMA kernels, CUDA kernels, the dense fallback: whichever
+is fastest per shape); otherwise the plain-torch reference (:mod:`.reference`) computes the same function
+through a dense scatter, so the same layer trains on a CPU and with small blocks (1, 4, 8), only without the
+speed-up.
+
+>>> import torch
+>>> mask = torch.rand(6, 4) < 0.5
+>>> meta = BlockSparseMeta.from_mask(mask, 16)                       # W is 96 x 64
+>>> values = torch.randn(meta.n_blocks, 16, 16)
+>>> block_sparse_linear(torch.randn(37, 64), values, meta).shape
+torch.Size([37, 96])
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+from sparsetrain.kernels.blocksparse.plans import dds as _dds
+from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
+from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
+from sparsetrain.kernels.blocksparse.tuner import interpreting
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class BlockSparseLinearFn(torch.autograd.Function):
+    """``y = x2d · W_effᵀ + bias`` on the Triton kernels. ``dense_grad_hook`` (or None): when given, the
+    backward computes the full dense ``dW = dYᵀ·X`` with one dense matmul, passes it (float32, ``[O, I]``)
+    to the hook, and takes the block gradient from it instead of running the sampled kernel."""
+
+    @staticmethod
+    def forward(ctx, x2d: Tensor, values: Tensor, bias: Tensor | None, meta: BlockSparseMeta,
+                dense_grad_hook: Callable[[Tensor], None] | None) -> Tensor:
+        ctx.values_dtype = values.dtype
+        if values.dtype == torch.float32 and x2d.dtype in (torch.float16, torch.bfloat16):
+            # fp32 master values, 16-bit activations: one cast of the active blocks per step, shared by the
+            # forward and the input gradient (the CUDA tiles take 16-bit values; Triton reads half the bytes)
+            values = values.to(x2d.dtype)
+        ctx.save_for_backward(x2d, values)
+        ctx.meta, ctx.hook = meta, dense_grad_hook
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return _dds(x2d, values, meta, bias, forward=True)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x2d, values = ctx.saved_tensors
+        meta = ctx.meta
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        need_x, need_v, need_b = ctx.needs_input_grad[:3]
+        dx = _dds(dy, values, meta, None, forward=False) if need_x else None
+        dv = db = None
+        if ctx.hook is not None:
+            dense = torch.mm(dy.t(), x2d).float()  # one dense matmul, only on capture steps
+            ctx.hook(dense)
+            dv = dense_to_values(dense, meta).to(ctx.values_dtype) if need_v else None
+        elif need_v:
+            dv, db32 = _sampled_grad(x2d, dy, meta, with_bias=need_b, out_dtype=ctx.values_dtype)
+            if dv.dtype != ctx.values_dtype:  # only when the token reduction was split (float32 partial sums)
+                dv = dv.to(ctx.values_dtype)
+            if need_b:
+                db = db32 if db32.dtype == ctx.bias_dtype else db32.to(ctx.bias_dtype)
+        if need_b and db is None:
+            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dv, db, None, None
+
+
+# ---- torch.compile: the kernels as torch.library custom ops ---------------------------------------------
+# Under torch.compile the kernel path goes through these opaque ops (dynamo cannot trace the Triton launches and
+# their plan caches). The metadata travels as its six index tensors; the BlockSparseMeta (with its derived
+# entry lists and launch plans) is looked up by their data pointers, so it is built once per topology. The
+# registry's metas hold their tensors, so no other tensor can be allocated at those addresses while an entry
+# lives: a pointer match is the same topology (the block format never rewrites index tensors in place).
+_OP_METAS: dict[tuple, BlockSparseMeta] = {}
+OP_META_BUILDS = [0]  # how many metas the ops built (tests and benchmarks read it)
+
+
+def register_meta(meta: BlockSparseMeta) -> None:
+    """Makes ``meta`` (and the entry lists and launch plans it caches) the one the custom ops use for its
+    tensors: an eager step before ``torch.compile(mode="reduce-overhead")`` then builds them outside the
+    CUDA-graph memory pool. The block format registers every meta it installs."""
+    key = tuple(getattr(meta, n).data_ptr() for n in BlockSparseMeta.TENSORS) + (
+        meta.out_features, meta.in_features, meta.block_rows)
+    if len(_OP_METAS) >= 4096:
+        _OP_METAS.clear()
+    _OP_METAS[key] = meta
+
+
+def _meta_for(tensors: tuple[Tensor, ...], out_features: int, in_features: int, block: int) -> BlockSparseMeta:
+    key = tuple(t.data_ptr() for t in tensors) + (out_features, in_features, block)
+    meta = _OP_METAS.get(key)
+    if meta is None:
+        if len(_OP_METAS) >= 4096:  # mostly replaced topologies: drop them all (live ones are rebuilt once)
+            _OP_METAS.clear()
+        meta = BlockSparseMeta(out_features, in_features, block, block, int(tensors[1].numel()), *tensors)
+        _OP_METAS[key] = meta
+        OP_META_BUILDS[0] += 1
+    return meta
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_linear", mutates_args=())
+def _bs_linear_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Tensor, col_idx: Tensor,
+                  row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
+                  in_features: int, block: int) -> Tensor:
+    meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
+    return _dds(x, values, meta, bias, forward=True)
+
+
+@_bs_linear_op.register_fake
+def _(x, values, bias, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block):
+    return x.new_empty(x.shape[0], out_features)
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_linear_backward", mutates_args=())
+def _bs_linear_backward_op(dy: Tensor, x: Tensor, values: Tensor, row_ptr: Tensor, col_idx: Tensor,
+                           row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
+                           in_features: int, block: int, need_x: bool, need_v: bool,
+                           need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dvalues, dbias float32); a gradient not asked for comes back as an empty tensor."""
+    meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx = _dds(dy, values, meta, None, forward=False) if need_x else dy.new_empty(0)
+    dv, db = values.new_empty(0), dy.new_empty(0, dtype=torch.float32)
+    if need_v:
+        dv, db32 = _sampled_grad(x, dy, meta, with_bias=need_b, out_dtype=values.dtype)
+        dv = dv.to(values.dtype)
+        if need_b:  # a split reduction returns dv and db as views of one buffer: outputs may not alias
+            db = db32.clone() if dv.untyped_storage().data_ptr() == db32.untyped_storage().data_ptr() else db32
+    if need_b and db.numel() == 0:
+        db = dy.sum(0, dtype=torch.float32)
+    return dx, dv, db
+
+
+@_bs_linear_backward_op.register_fake
+def _(dy, x, values, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block,
+      need_x, need_v, need_b):
+    dx = dy.new_empty(dy.shape[0], in_features) if need_x else dy.new_empty(0)
+    dv = values.new_empty(values.shape) if need_v else values.new_empty(0)
+    db = dy.new_empty(out_features, dtype=torch.float32) if need_b else dy.new_empty(0, dtype=torch.float32)
+    return dx, dv, db
+
+
+def _bs_setup_context(ctx, inputs, output):
+    x, values, bias, *tensors = inputs[:9]
+    ctx.save_for_backward(x, values, *tensors)
+    ctx.ints = inputs[9:]
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _bs_backward(ctx, dy):
+    x, values, *tensors = ctx.saved_tensors
+    need_x, need_v, need_b = ctx.needs_input_grad[:3]
+    dx, dv, db = torch.ops.sparsetrain.block_sparse_linear_backward(
+        dy, x, values, *tensors, *ctx.ints, need_x, need_v, need_b)
+    return (dx if need_x else None, dv if need_v else None, db.to(ctx.bias_dtype) if need_b else None,
+            None, None, None, None, None, None, None, None, None)
+
+
+_bs_linear_op.register_autograd(_bs_backward, setup_context=_bs_setup_context)
+
+
+@torch.compiler.disable
+def _eager_with_hook(x2d: Tensor, values: Tensor, bias: Tensor | None, meta: BlockSparseMeta,
+                     hook: Callable[[Tensor], None]) -> Tensor:
+    """The autograd-function path outside the compiled graph (a graph break on dense-gradient capture steps)."""
+    return BlockSparseLinearFn.apply(x2d, values, bias, meta, hook)
+
+
+class _DenseGradHook(torch.autograd.Function):
+    """Identity on the dense weight whose backward hands the incoming gradient to a hook (reference path)."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, hook: Callable[[Tensor], None]) -> Tensor:
+        ctx.hook = hook
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ctx.hook(grad.detach().float())
+        return grad, None
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4
+        enabled = torch.is_autocast_enabled() if device_type == "cuda" else torch.is_autocast_cpu_enabled()
+    if not enabled:
+        return None
+    try:
+        return torch.get_autocast_dtype(device_type)
+    except AttributeError:  # torch < 2.4
+        return torch.get_autocast_gpu_dtype() if device_type == "cuda" else torch.get_autocast_cpu_dtype()
+
+
+def uses_kernels(x: Tensor, meta: BlockSparseMeta) -> bool:
+    """True when :func:`block_sparse_linear` runs the Triton kernels for this input."""
+    return (meta.kernel_supported and (x.is_cuda or interpreting()) and x.dtype in _KERNEL_DTYPES
+            and meta.out_features * meta.in_features < 2**31)  # block offsets are int32 in the kernels
+
+
+def _check(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None) -> None:
+    if not isinstance(meta, BlockSparseMeta):
+        raise TypeError(f"meta must be a BlockSparseMeta, got {type(meta).__name__}")
+    if not isinstance(x, Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
+    if x.dim() < 1 or x.shape[-1] != meta.in_features:
+        raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be in_features={meta.in_features}")
+    want = (meta.n_blocks, meta.block_rows, meta.block_cols)
+    if not isinstance(values, Tensor) or tuple(values.shape) != want:
+        raise ValueError(f"values has shape {tuple(getattr(values, 'shape', ()))}, expected {want}")
+    if bias is not None and tuple(bias.shape) != (meta.out_features,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({meta.out_features},)")
+    for name, t in (("values", values), ("bias", bias), ("meta", meta.row_ptr)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+
+
+def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None = None, *,
+                        dense_grad_hook: Callable[[Tensor], None] | None = None) -> Tensor:
+    """``x · W_effᵀ + bias`` with ``W_eff`` given by compressed ``values`` and ``meta``; ``x [..., I]``.
+
+    ``values`` and ``bias`` have ``x``'s dtype, or float32 with a 16-bit ``x`` (mixed precision: the
+    active blocks are cast to ``x``'s dtype once per step, shared by the forward and the input gradient, and
+    the gradients come back in float32). Under autocast only ``x`` is cast. ``dense_grad_hook(g)``, when given,
+    receives the dense ``dL/dW_eff`` (float32 ``[O, I]``) during backward — the flag RigL's grow step needs.
+
+    >>> meta = BlockSparseMeta.from_mask(torch.ones(2, 2, dtype=torch.bool), 16)
+    >>> block_sparse_linear(torch.randn(5, 32), torch.randn(4, 16, 16), meta).shape
+    torch.Size([5, 32])
+    """
+    _check(x, values, meta, bias)
+    cast = _autocast_dtype(x.device.type)
+    if cast is not None:
+        x = x.to(cast)
+    ok = (x.dtype, torch.float32)
+    if values.dtype not in ok or (bias is not None and bias.dtype not in ok):
+        raise TypeError(f"dtypes differ: x {x.dtype}, values {values.dtype}, "
+                        f"bias {None if bias is None else bias.dtype} (values/bias must be x's dtype or float32)")
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, meta.in_features)
+    if uses_kernels(x2d, meta):
+        if x2d.stride(-1) != 1:
+            x2d = x2d.contiguous()
+        if torch.compiler.is_compiling() and dense_grad_hook is None:  # opaque op for dynamo / inductor
+            y = torch.ops.sparsetrain.block_sparse_linear(
+                x2d, values.contiguous(), bias, *(getattr(meta, n) for n in BlockSparseMeta.TENSORS),
+                meta.out_features, meta.in_features, meta.block)
+        elif torch.compiler.is_compiling():  # RigL capture steps: the hook is Python, run this layer eagerly
+            y = _eager_with_hook(x2d, values.contiguous(), bias, meta, dense_grad_hook)
+        else:
+            y = BlockSparseLinearFn.apply(x2d, values.contiguous(), bias, meta, dense_grad_hook)
+    else:
+        w = values_to_dense(values, meta).to(x.dtype)
+        bias = bias.to(x.dtype) if bias is not None else None
+        if dense_grad_hook is not None and torch.is_grad_enabled() and w.requires_grad:
+            w = _DenseGradHook.apply(w, dense_grad_hook)
+        y = F.linear(x2d, w, bias)
+    return y.reshape(*lead, meta.out_features)

@@ -1,0 +1,139 @@
+"""The three products of the layer as cached launch plans: :func:`dds` (forward ``X·Wᵀ`` and input gradient
+``dY·W``) and :func:`sampled_grad` (``dW = dYᵀ·X`` at the active blocks, with the bias gradient fused).
+
+Everything a launch needs besides the data pointers depends only on the topology, the token count, the
+strides, the dtypes and what steers the tuner. The first call per such key asks the tuner for a config among
+the registered backends' candidates, builds that backend's plan and keeps it on the metadata
+(``meta._groups["plans"]``, dropped with it when the topology changes); a steady-state call is then one dict
+lookup, one output allocation and the launch.
+
+The built-in backends are registered here, in the order the tuner lists their candidates: the first
+candidate is the choice wherever nothing is timed.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sparsetrain.kernels.blocksparse import _cuda, dense, gather, tma, tuner
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+from sparsetrain.kernels.blocksparse.testing import HOOKS
+from sparsetrain.kernels.blocksparse.tuner import Product
+
+for _backend in (_cuda.BACKEND, tma.BACKEND, gather.BACKEND, dense.BACKEND):
+    tuner.register_backend(_backend)
+
+_MAX_PLANS = 256  # per metadata, e.g. a new token count every batch: bound the cache, rebuilding is cheap
+
+
+def _plans(meta: BlockSparseMeta) -> dict:
+    plans = meta._groups.get("plans")
+    if plans is None:
+        plans = meta._groups["plans"] = {}
+    return plans
+
+
+def _keep_plan(meta: BlockSparseMeta, key: tuple, plan) -> None:
+    plans = _plans(meta)
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+def _may_cache(device: torch.device) -> bool:
+    # while capturing a CUDA graph the tuner takes the first candidate untimed: not a choice to keep
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool) -> Tensor:
+    """``a [T, K] · B`` with ``B = Wᵀ`` (forward, ``a = X``) or ``B = W`` (input gradient, ``a = dY``)."""
+    T = a.shape[0]
+    has_bias = bias is not None
+    pkey = ("plan_dds", forward, T, a.stride(0), a.stride(1), a.dtype, values.dtype,
+            bias.dtype if has_bias else None, a.device, *tuner.steering())
+    plan = _plans(meta).get(pkey)
+    if plan is not None:  # the steady state of training: one allocation and one direct launch
+        out = torch.empty(T, plan.out_width, dtype=a.dtype, device=a.device)
+        if HOOKS.poison:
+            out.fill_(float("nan"))
+        plan(a, values, bias if has_bias else a, out)
+        return out
+
+    B = meta.block
+    n_out = meta.grid[0] if forward else meta.grid[1]
+    out = torch.empty(T, n_out * B, dtype=a.dtype, device=a.device)
+    if HOOKS.poison:
+        out.fill_(float("nan"))
+    if T == 0:
+        return out
+    p = Product("fwd" if forward else "dx", meta, a, values, has_bias)
+    built: dict = {}  # one plan per candidate while tuning (timing must not include building it)
+
+    def launch(cfg) -> Tensor:
+        if cfg not in built:
+            built[cfg] = tuner.make_plan(cfg, p)
+        built[cfg](a, values, bias if has_bias else a, out)
+        return out
+
+    key = (B, _pow2(T), meta.in_features if forward else meta.out_features, n_out * B,
+           tuner.density_bucket(meta), a.dtype, values.dtype, has_bias)
+    cfg = tuner.pick(p.kind, key, a.device, tuner.candidates(p), launch)
+    plan = built.get(cfg) or tuner.make_plan(cfg, p)
+    plan(a, values, bias if has_bias else a, out)
+    if _may_cache(a.device):
+        _keep_plan(meta, pkey, plan)
+    return out
+
+
+def sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
+                 out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor | None]:
+    """``dvalues = blocks of dYᵀ·X at the active positions`` and, fused, ``dbias = Σ_t dY`` (float32).
+    ``dvalues`` comes back in ``out_dtype``, or in float32 where the plan adds partial sums (``atomic``)."""
+    T = x.shape[0]
+    dev = x.device
+    pkey = ("plan_dw", T, x.stride(0), x.stride(1), dy.stride(0), x.dtype, dy.dtype, out_dtype, with_bias, dev,
+            *tuner.steering())
+    plan = _plans(meta).get(pkey)
+    if plan is None:
+        p = Product("dw", meta, x, dy, with_bias)
+        built: dict = {}
+
+        def launch(cfg) -> tuple[Tensor, Tensor | None]:
+            if cfg not in built:
+                built[cfg] = tuner.make_plan(cfg, p)
+            return _run_dw(built[cfg], x, dy, meta, with_bias, out_dtype)
+
+        key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
+               out_dtype, with_bias)
+        cfg = tuner.pick("dw", key, dev, tuner.candidates(p), launch)
+        plan = built.get(cfg) or tuner.make_plan(cfg, p)
+        if T > 0 and _may_cache(dev):
+            _keep_plan(meta, pkey, plan)
+    return _run_dw(plan, x, dy, meta, with_bias, out_dtype)
+
+
+def _run_dw(plan, x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
+            out_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+    """Allocate the outputs of one weight-gradient launch and run it. An atomic plan adds float32 partial sums
+    into zeroed memory; dvalues and dbias then share ONE zero-filled buffer (one fill instead of two)."""
+    B, n, O, dev = meta.block_rows, meta.n_blocks, meta.out_features, x.device
+    db = None
+    if plan.atomic:
+        buf = torch.zeros(n * B * B + (O if with_bias else 0), dtype=torch.float32, device=dev)
+        dv = buf[: n * B * B].view(n, B, B)
+        if with_bias:
+            db = buf[n * B * B:]
+    else:
+        dv = torch.empty(n, B, B, dtype=out_dtype, device=dev)
+        if HOOKS.poison:
+            dv.fill_(float("nan"))
+        if with_bias:
+            db = torch.zeros(O, dtype=torch.float32, device=dev)
+    if x.shape[0] == 0:
+        return dv.zero_(), db
+    plan(x, dy, dv, db if db is not None else dv)
+    return dv, db

@@ -1,0 +1,225 @@
+"""Backends and the per-shape choice among their tile candidates.
+
+A :class:`Backend` is one way to compute the products of a block-sparse linear layer — ``fwd`` (``X·Wᵀ``),
+``dx`` (``dY·W``) and ``dw`` (``dYᵀ·X`` at the active blocks): the CUDA kernels, the Triton TMA kernels, the
+Triton gather kernels, the dense cuBLAS fallback. For a :class:`Product` it offers tile configurations
+(``candidates``) and builds the launch plan of one (``make_plan``). The tuner lists the candidates of every
+registered backend in registration order, times each once per shape key on the GPU and keeps the fastest;
+where nothing is timed (the Triton interpreter, CUDA-graph capture, :func:`~.testing.untuned`) the first
+candidate is the choice. Adding a backend is a config type, two functions and one call::
+
+    class MyConfig(NamedTuple):
+        tile: int
+
+    register_backend(Backend("mine", (MyConfig,), candidates=my_candidates, make_plan=my_plan), before="gather")
+
+A plan for ``fwd``/``dx`` is called ``plan(a, values, bias_or_a, out)`` and has ``out_width`` (the output's
+columns); one for ``dw`` is called ``plan(x, dy, dvalues, dbias_or_dvalues)`` and has ``atomic`` (True: the
+outputs are zero-filled float32 and the plan adds partial sums into them). A plan must not keep the tensors
+of the call that built it: it lives as long as the topology.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sparsetrain.kernels._runtime.options import kernel_options
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+from sparsetrain.kernels.blocksparse.testing import HOOKS
+
+KINDS = ("fwd", "dx", "dw")
+
+
+@dataclass(frozen=True, eq=False)
+class Product:
+    """One product to plan: its kind, the topology and the operands of the call being planned (read for their
+    shapes, strides, dtypes and device only)."""
+
+    kind: str  # "fwd", "dx" or "dw"
+    meta: BlockSparseMeta
+    a: Tensor  # fwd and dw: X [T, I]; dx: dY [T, O] (the dense operand, unit column stride)
+    b: Tensor  # fwd and dx: values [n_blocks, B, B]; dw: dY [T, O]
+    bias: bool  # fwd: a bias is added; dw: the bias gradient is fused; dx: always False
+
+    @property
+    def forward(self) -> bool:
+        return self.kind == "fwd"
+
+    @property
+    def block(self) -> int:
+        return self.meta.block
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A way to compute the products: see the module docstring."""
+
+    name: str
+    #: The config classes whose plans this backend builds (a config's type names its backend).
+    config_types: tuple[type, ...]
+    #: ``candidates(product) -> [config, ...]``: the tiles that can run this product here (often none).
+    candidates: Callable[[Product], Sequence]
+    #: ``make_plan(config, product) -> plan``.
+    make_plan: Callable[[object, Product], Callable]
+    #: A fallback (dense cuBLAS) is chosen only when it beats the best block kernel by
+    #: ``KernelOptions.dense_margin``: the tuner times GPU time, and a fallback costs more host work per call.
+    fallback: bool = False
+
+
+_BACKENDS: list[Backend] = []
+_BY_CONFIG: dict[type, Backend] = {}
+_GENERATION = [0]  # bumped by every registry change: cached choices and plans then no longer match
+
+
+def register_backend(backend: Backend, *, before: str | None = None) -> None:
+    """Offer ``backend``'s candidates to the tuner, after the registered ones or before the one named
+    ``before``; one of the same name is replaced. Choices made so far are forgotten."""
+    unregister_backend(backend.name)
+    names = [b.name for b in _BACKENDS]
+    if before is not None and before not in names:
+        raise KeyError(f"no backend {before!r}; registered: {names}")
+    _BACKENDS.insert(len(names) if before is None else names.index(before), backend)
+    for t in backend.config_types:
+        _BY_CONFIG[t] = backend
+    _forget()
+
+
+def unregister_backend(name: str) -> None:
+    """Remove the backend called ``name`` (if registered); choices made so far are forgotten."""
+    for b in [b for b in _BACKENDS if b.name == name]:
+        _BACKENDS.remove(b)
+        for t in b.config_types:
+            _BY_CONFIG.pop(t, None)
+        _forget()
+
+
+def backends() -> tuple[Backend, ...]:
+    """The registered backends, in the order their candidates are listed."""
+    return tuple(_BACKENDS)
+
+
+def backend_of(config) -> Backend:
+    """The backend that builds plans for ``config``."""
+    try:
+        return _BY_CONFIG[type(config)]
+    except KeyError:
+        raise TypeError(f"no registered backend takes {type(config).__name__} configs") from None
+
+
+def candidates(p: Product) -> list:
+    """Every registered backend's candidates for ``p``, in registration order."""
+    return [c for b in _BACKENDS for c in b.candidates(p)]
+
+
+def make_plan(config, p: Product):
+    return backend_of(config).make_plan(config, p)
+
+
+def _forget() -> None:
+    _GENERATION[0] += 1
+    _TUNED.clear()
+    _TIMED.clear()
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in the CPU interpreter (``TRITON_INTERPRET=1``): nothing is timed then."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def density_bucket(meta: BlockSparseMeta) -> int:
+    # half-octave buckets: 1.0 -> 0, 0.5 -> 2, 0.25 -> 4, 0.1 -> 7
+    return min(16, round(-2 * math.log2(max(meta.density, 1e-6))))
+
+
+def option_key() -> tuple:
+    """What decides a choice besides shapes and dtypes: the options that change the candidates or the pick,
+    and the registry. Part of every kept choice's key."""
+    o = kernel_options()
+    return o.cuda_kernels, o.dense_fallback, o.dense_margin, _GENERATION[0]
+
+
+def steering() -> tuple:
+    """:func:`option_key` and the test hooks: part of every cached plan's key (a forced or untimed choice
+    must not be served a plan cached under another)."""
+    h = HOOKS
+    return (*option_key(), h.tune, tuple(h.forced.items()) if h.forced else (), h.timer)
+
+
+_TUNED: dict[tuple, object] = {}
+_TIMED: dict[tuple, list[tuple[object, float]]] = {}  # the timings behind each choice (benchmark reports)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _do_bench(config, launch: Callable[[], object]) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(launch, warmup=5, rep=20, return_mode="median")
+
+
+def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: Callable[[object], object]):
+    """The config for product ``kind`` at shape ``key``: forced, else (timed once per key and kept) the fastest
+    of ``cands``; ``launch(config)`` must run the whole product. Where nothing can be timed, ``cands[0]``."""
+    forced = HOOKS.forced.get(kind)
+    if forced is not None:
+        return forced
+    timer = HOOKS.timer
+    if timer is None and (interpreting() or device.type != "cuda"):
+        return cands[0]
+    full = (kind, *key, *option_key())
+    if full in _TUNED:
+        return _TUNED[full]
+    if not HOOKS.tune or len(cands) == 1 or _capturing(device):
+        return cands[0]
+    timer = timer or _do_bench
+    timed = []
+    for cfg in cands:
+        try:
+            timed.append((cfg, timer(cfg, lambda c=cfg: launch(c))))
+        except Exception:  # noqa: BLE001, S112 - e.g. out of shared memory for this tile: try the next
+            continue
+    if not timed:
+        raise RuntimeError(f"no {kind} kernel configuration could run for {key}")
+    best = choose(timed)
+    _TUNED[full], _TIMED[full] = best, timed
+    return best
+
+
+def choose(timed: Sequence[tuple[object, float]], margin: float | None = None):
+    """The fastest of ``(config, ms)``; a fallback backend's config only if it beats the best block kernel by
+    ``margin`` (default ``KernelOptions.dense_margin``)."""
+    margin = kernel_options().dense_margin if margin is None else margin
+    kernels = [(ms, i) for i, (cfg, ms) in enumerate(timed) if not backend_of(cfg).fallback]
+    dense = [(ms, i) for i, (cfg, ms) in enumerate(timed) if backend_of(cfg).fallback]
+    if not kernels:
+        return timed[min(dense)[1]][0]
+    best_ms, best_i = min(kernels)
+    if dense and min(dense)[0] < margin * best_ms:
+        return timed[min(dense)[1]][0]
+    return timed[best_i][0]
+
+
+def tuned_configs() -> dict[str, str]:
+    """The choices made so far, ``{key: config}`` (for benchmark reports)."""
+    return {repr(k): repr(v) for k, v in _TUNED.items()}
+
+
+def dense_fallback_report(tuned: dict | None = None, timed: dict | None = None) -> list[dict]:
+    """Per tuned product: the best block kernel's and the dense fallback's GPU time and which was chosen (for
+    benchmark reports; ``tuned``/``timed`` default to the tuner's own records)."""
+    tuned, timed = _TUNED if tuned is None else tuned, _TIMED if timed is None else timed
+    rows = []
+    for key, times in timed.items():
+        dense = [ms for cfg, ms in times if backend_of(cfg).fallback]
+        kernels = [ms for cfg, ms in times if not backend_of(cfg).fallback]
+        if dense and kernels:
+            rows.append({"key": repr(key), "kernel_ms": min(kernels), "dense_ms": min(dense),
+                         "chosen": "dense" if backend_of(tuned[key]).fallback else "kernel"})
+    return rows

@@ -1,0 +1,184 @@
+"""The CUDA backend (csrc/bs_dds.cu, csrc/bs_dw.cu): its host-built tables (plain torch, tested here) and every
+tile on the GPU vs the fp32 reference (``pytest -m gpu`` on the device machine)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from blocksparse_cases import check_dds_tiles, make_mask, rel
+
+from sparsetrain.kernels.blocksparse import _cuda, plans
+from sparsetrain.kernels.blocksparse._cuda_tables import (
+    STRIP_BLOCKS,
+    dw_table,
+    entry_info,
+    ks_table,
+    warp_bounds,
+)
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+from sparsetrain.kernels.blocksparse.reference import reference_grads
+from sparsetrain.kernels.blocksparse.testing import forced_config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("b", [16, 32])
+@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "dense", "single"])
+def test_gpu_cuda_dds_every_tile(dtype, b, pattern, poison):
+    """Every tile of the CUDA X-stationary kernel (csrc/bs_dds.cu), forward X·Wᵀ and input gradient dY·W, vs
+    the fp32 reference on fresh inputs: token counts that are not a multiple of the tile (and T = 5), empty
+    block rows and columns, density 1, a single block, no bias / bias in the activation dtype / fp32 bias,
+    values in the activation dtype and fp32 master values."""
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O = 512, 1024
+    gen = torch.Generator().manual_seed(b + len(pattern))
+    meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // b, I // b), gen), b).to("cuda")
+    probe = torch.empty(1, O, device="cuda", dtype=dtype)
+    tiles = _cuda.candidates(probe, b, O)
+    assert len(tiles) == len(_cuda.CANDIDATES), "the CUDA kernel did not build or a tile does not fit"
+    check_dds_tiles(meta, tiles, I, O, b, dtype)
+    built = list(meta._groups["plans"].values())
+    assert len(built) == 16 * len(tiles) and all(isinstance(p, _cuda.CudaDdsPlan) for p in built)
+
+
+def test_cuda_dds_entry_info_and_warp_ranges():
+    """The host side of the CUDA X-stationary kernel (plain torch, so it runs here): the per-entry info
+    (value offset / -1 for padding, column of the dense operand, output column, last-of-block flag) and the
+    warp ranges, which must be cut at output-block boundaries and cover every entry once."""
+
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    fwd = entry_info(meta, forward=True).tolist()
+    # forward: per block row (output block), the active block columns; row 1 is empty -> one padding entry
+    assert fwd == [[0, 0, 0, 0], [256, 32, 0, 1], [-1, 0, 16, 1], [512, 16, 32, 0], [768, 32, 32, 1],
+                   [1024, 0, 48, 0], [1280, 16, 48, 0], [1536, 32, 48, 1]]
+    # input gradient: per block column, the block rows (transpose metadata), slots as stored
+    dx = entry_info(meta, forward=False).tolist()
+    slots = {(r, c): s for s, (r, c) in enumerate(mask.nonzero().tolist())}
+    expect = []
+    for c in range(3):
+        rows = [r for r in range(4) if mask[r, c]]
+        for i, r in enumerate(rows):
+            expect.append([slots[(r, c)] * 256, r * 16, c * 16, int(i == len(rows) - 1)])
+    assert dx == expect
+    pptr = meta.padded_entries(True, 1)[0]
+    for n in (1, 2, 3, 5, 16):
+        wb = warp_bounds(pptr, n).tolist()
+        assert wb[0] == 0 and wb[-1] == len(fwd) and wb == sorted(wb) and len(wb) == n + 1
+        assert set(wb) <= set(pptr.tolist())  # every range starts at an output block's first entry
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "dense", "single"])
+@pytest.mark.parametrize("I,O", [(512, 1024), (1024, 512)])  # X staged whole / dY staged whole
+def test_gpu_cuda_dw_every_tile(dtype, pattern, I, O):
+    """Every tile of the CUDA weight-gradient kernel (csrc/bs_dw.cu) vs the fp32 reference on fresh inputs,
+    with and without the fused bias gradient, at token counts that are not a multiple of the chunk."""
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(len(pattern) + I)
+    meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // 16, I // 16), gen), 16).to("cuda")
+    for T in (3000 + 7, 5):
+        x = torch.randn(T, I, device="cuda", dtype=dtype)
+        dy = torch.randn(T, O, device="cuda", dtype=dtype)
+        tiles = _cuda.dw_candidates(x, dy, meta, True)
+        assert len(tiles) == len(_cuda.DW_CANDIDATES), "the CUDA kernel did not build or a tile does not fit"
+        v = torch.zeros(meta.n_blocks, 16, 16, device="cuda")
+        _, dv_ref, db_ref = reference_grads(x.float(), dy.float(), v, meta)
+        for cfg in tiles:
+            for with_bias in (True, False):
+                with forced_config(dw=cfg):
+                    dv, db = plans.sampled_grad(x, dy, meta, with_bias=with_bias)
+                assert rel(dv, dv_ref) < 1e-4, (cfg, T, with_bias)
+                if with_bias:
+                    assert rel(db, db_ref) < 1e-4, (cfg, T)
+    built = list(meta._groups["plans"].values())
+    assert built and all(isinstance(p, _cuda.CudaDwPlan) for p in built)
+
+
+def test_cuda_dw_table_covers_every_block_and_bias_column():
+    """The weight-gradient kernel's CTA table (plain torch, runs here): every block in exactly one CTA at
+    offsets inside that CTA's staged column ranges, strips no wider than STRIP_BLOCKS, and bias ranges that
+    partition the output features and lie inside each CTA's staged dY columns; both orientations, empty rows."""
+
+    gen = torch.Generator().manual_seed(0)
+    for O, I in ((1024, 512), (512, 1024), (4096, 1024), (1024, 4096)):
+        for d in (0.02, 0.1, 0.5, 1.0):
+            mask = torch.rand(O // 16, I // 16, generator=gen) < d
+            mask[: mask.shape[0] // 3] = False  # a run of empty block rows
+            meta = BlockSparseMeta.from_mask(mask, 16)
+            for with_bias in (True, False):
+                cta, blk, aw, bw = dw_table(meta, with_bias, 128)
+                c, b = cta.tolist(), blk.tolist()
+                assert sum(x[1] for x in c) == meta.n_blocks
+                assert sorted(x[0] for x in b[: meta.n_blocks]) == list(range(meta.n_blocks))
+                for x in c:
+                    assert x[1] <= 128 and x[3] <= aw and x[5] <= bw
+                    assert min(x[3], x[5]) <= STRIP_BLOCKS * 16  # one operand is a strip
+                    for k in range(x[0], x[0] + x[1]):
+                        s, ao, bo, _ = b[k]
+                        r, cc = int(meta.row_idx[s]), int(meta.col_idx[s])
+                        assert (x[2] + ao, x[4] + bo) == (r * 16, cc * 16)
+                        assert 0 <= ao < x[3] and 0 <= bo < x[5]
+                if with_bias:
+                    pos = 0
+                    for lo, hi in sorted((x[6], x[7]) for x in c if x[7] > x[6]):
+                        assert lo == pos
+                        pos = hi
+                    assert pos == O
+                    assert all(x[2] <= x[6] and x[7] <= x[2] + x[3] for x in c if x[7] > x[6])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "dense", "single"])
+def test_gpu_cuda_k_streamed_every_tile(dtype, pattern, poison):
+    """The K-streamed CUDA tiles (large K, 16x16 blocks), forward and input gradient, vs the fp32 reference:
+    K = 1552 and 1600 (the last K part partial), output-block groups that do not fill the last CTA, T = 1037
+    and 5, no bias / 16-bit / fp32 bias, fp32 master values."""
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O, b = 1552, 1600, 16
+    gen = torch.Generator().manual_seed(len(pattern))
+    meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // b, I // b), gen), b).to("cuda")
+    tiles = _cuda.ks_candidates(torch.empty(1, I, device="cuda", dtype=dtype), b, I)
+    assert len(tiles) == len(_cuda.KS_CANDIDATES), "the CUDA kernel did not build or a tile does not fit"
+    check_dds_tiles(meta, tiles, I, O, b, dtype)
+    built = list(meta._groups["plans"].values())
+    assert built and all(isinstance(p, _cuda.CudaKsPlan) for p in built)
+
+
+def test_k_streamed_tables():
+    """The K-streamed kernel's per-warp entry lists (plain torch, runs here): every active block once per
+    product, each warp's entries in (K part, output block, k) order with counts that match, offsets right."""
+
+    gen = torch.Generator().manual_seed(1)
+    mask = torch.rand(13, 21, generator=gen) < 0.3
+    mask[2] = False
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    slots = {(r, c): s for s, (r, c) in enumerate(mask.nonzero().tolist())}
+    for forward in (True, False):
+        for ob, kp in ((4, 256), (2, 64)):
+            info, wstart, counts, n_parts, n_out = ks_table(meta, forward, ob, kp)
+            k = meta.in_features if forward else meta.out_features
+            assert n_out == (13 if forward else 21) and n_parts == -(-k // kp)
+            info, wstart = info.tolist(), wstart.tolist()
+            counts = counts.view(-1, n_parts, ob).tolist()
+            assert wstart[-1] == meta.n_blocks and len(wstart) == -(-n_out // ob) + 1
+            seen = []
+            for w in range(len(wstart) - 1):
+                e = wstart[w]
+                for p in range(n_parts):
+                    for j in range(ob):
+                        o = w * ob + j
+                        ks = [kk for kk in range(k // 16) if o < n_out and kk * 16 // kp == p
+                              and (mask[o, kk] if forward else mask[kk, o])]
+                        assert counts[w][p][j] == len(ks)
+                        for kk in ks:
+                            s = slots[(o, kk) if forward else (kk, o)]
+                            assert info[e] == [s * 256, kk * 16 - p * kp]
+                            seen.append(s)
+                            e += 1
+                assert e == wstart[w + 1]
+            assert sorted(seen) == list(range(meta.n_blocks))

@@ -1,0 +1,65 @@
+"""BlockSparseMeta: the index arrays of a topology and the entry lists derived from it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from blocksparse_cases import make_mask
+
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+
+
+def test_meta_matches_mask():
+    mask = make_mask("empty_rows_cols", (6, 5), torch.Generator().manual_seed(1))
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    pos = [(r, c) for r in range(6) for c in range(5) if mask[r, c]]  # row-major = slot order
+    assert meta.n_blocks == len(pos) and (meta.out_features, meta.in_features) == (96, 80)
+    assert [(int(r), int(c)) for r, c in zip(meta.row_idx, meta.col_idx)] == pos
+    assert meta.row_ptr.tolist() == [0] + torch.cumsum(mask.sum(1), 0).tolist()
+    # transpose metadata: per block column, rows ascending, each entry naming the slot of (row, col)
+    for c in range(5):
+        entries = range(int(meta.col_ptr[c]), int(meta.col_ptr[c + 1]))
+        rows = [int(meta.t_row_idx[e]) for e in entries]
+        assert rows == [r for r in range(6) if mask[r, c]]
+        for e, r in zip(entries, rows):
+            assert pos[int(meta.t_slot[e])] == (r, c)
+    assert all(t.dtype == torch.int32 for t in (meta.row_ptr, meta.col_idx, meta.col_ptr, meta.t_slot))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_dw_groups_cover_every_slot_once(group):
+    mask = make_mask("empty_rows_cols", (7, 9), torch.Generator().manual_seed(2))
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    grow, gstart, gcount, gfirst, n = meta.dw_groups(group)
+    assert grow.numel() == n
+    covered = []
+    for r, s, k in zip(grow.tolist(), gstart.tolist(), gcount.tolist()):
+        assert 0 <= k <= group
+        covered += list(range(s, s + k))
+        assert all(int(meta.row_idx[i]) == r for i in range(s, s + k))
+    assert sorted(covered) == list(range(meta.n_blocks))
+    assert sorted(grow[gfirst.bool()].tolist()) == list(range(7))  # one first group per row, empty rows too
+
+
+@pytest.mark.parametrize("forward", [True, False])
+@pytest.mark.parametrize("group_k", [1, 4])
+def test_padded_entries(forward, group_k):
+    mask = make_mask("empty_rows_cols", (7, 9), torch.Generator().manual_seed(9))
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    ptr, kidx, slot, out = meta.padded_entries(forward, group_k)
+    grid = mask if forward else mask.t()
+    for j in range(grid.shape[0]):
+        lo, hi = int(ptr[j]), int(ptr[j + 1])
+        assert hi - lo >= group_k and (hi - lo) % group_k == 0 and bool((out[lo:hi] == j).all())
+        real = [(int(k), int(s)) for k, s in zip(kidx[lo:hi], slot[lo:hi]) if s >= 0]
+        assert [k for k, _ in real] == grid[j].nonzero().flatten().tolist()
+        for k, s in real:  # the slot holds block (j, k) of W (forward) or (k, j) (transpose)
+            r, c = (j, k) if forward else (k, j)
+            assert (int(meta.row_idx[s]), int(meta.col_idx[s])) == (r, c)
+
+
+def test_meta_rejects_bad_mask():
+    with pytest.raises(TypeError, match="mask"):
+        BlockSparseMeta.from_mask(torch.ones(2, 2), 16)
+    with pytest.raises(ValueError, match="mask"):
+        BlockSparseMeta.from_mask(torch.ones(2, dtype=torch.bool), 16)
+

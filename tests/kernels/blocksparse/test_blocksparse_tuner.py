@@ -1,0 +1,185 @@
+"""The tuner: backends in one registry, the per-shape choice among their candidates, the dense-fallback margin
+and the options that steer it (CPU: a timer hook stands in for GPU timing)."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+from blocksparse_cases import make_mask, rel
+
+from sparsetrain.kernels import use_kernel_options
+from sparsetrain.kernels.blocksparse import (
+    Backend,
+    Product,
+    dense,
+    register_backend,
+    tma,
+    tuner,
+    unregister_backend,
+)
+from sparsetrain.kernels.blocksparse.dense import DenseConfig
+from sparsetrain.kernels.blocksparse.gather import INTERP_DDS, INTERP_DW, DdsConfig
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+from sparsetrain.kernels.blocksparse.op import block_sparse_linear
+from sparsetrain.kernels.blocksparse.reference import dense_to_values, reference_grads, values_to_dense
+from sparsetrain.kernels.blocksparse.testing import use_timer
+
+
+class ReferenceConfig(NamedTuple):
+    """A backend with no tiles: its plans compute the products in plain torch."""
+
+
+class _ReferenceDds:
+    def __init__(self, p: Product, calls: list):
+        self.meta, self.forward, self.calls = p.meta, p.forward, calls
+        self.out_width = (p.meta.grid[0] if p.forward else p.meta.grid[1]) * p.meta.block
+
+    def __call__(self, a, values, bias, out):
+        self.calls.append("fwd" if self.forward else "dx")
+        w = values_to_dense(values.to(a.dtype), self.meta)
+        out.copy_(a @ w.t() + bias if self.forward and bias is not a else a @ (w.t() if self.forward else w))
+
+
+class _ReferenceDw:
+    atomic = False
+
+    def __init__(self, p: Product, calls: list):
+        self.meta, self.bias, self.calls = p.meta, p.bias, calls
+
+    def __call__(self, x, dy, dv, db):
+        self.calls.append("dw")
+        dv.copy_(dense_to_values(dy.t() @ x, self.meta))
+        if self.bias:
+            db.copy_(dy.sum(0))
+
+
+def _reference_backend(calls: list, fallback: bool = False) -> Backend:
+    return Backend("reference", (ReferenceConfig,), candidates=lambda p: [ReferenceConfig()],
+                   make_plan=lambda cfg, p: (_ReferenceDw if p.kind == "dw" else _ReferenceDds)(p, calls),
+                   fallback=fallback)
+
+
+def _layer(seed: int, T: int = 21):
+    gen = torch.Generator().manual_seed(seed)
+    meta = BlockSparseMeta.from_mask(make_mask("random", (6, 4), gen), 16)
+    values = (torch.randn(meta.n_blocks, 16, 16, generator=gen) / 16).requires_grad_()
+    bias = torch.randn(96, generator=gen, requires_grad=True)
+    return meta, values, bias, torch.randn(T, 64, generator=gen, requires_grad=True)
+
+
+def test_a_registered_backend_is_timed_and_chosen():
+    """A backend registered through the public function is listed beside the built-in ones, timed (here by a
+    timer hook, on the CPU) and chosen where it is fastest: its plans then compute the layer."""
+    calls, timed = [], []
+
+    def timer(cfg, launch):
+        timed.append(cfg)
+        return 0.5 if isinstance(cfg, ReferenceConfig) else 1.0
+
+    register_backend(_reference_backend(calls))
+    try:
+        assert [b.name for b in tuner.backends()][-1] == "reference"
+        meta, values, bias, x = _layer(seed=1)
+        with use_timer(timer):
+            y = block_sparse_linear(x, values, meta, bias)
+            dy = torch.randn_like(y)
+            y.backward(dy)
+        assert timed == [INTERP_DDS[16], ReferenceConfig(), INTERP_DDS[16], ReferenceConfig(),
+                         INTERP_DW[16], ReferenceConfig()]  # fwd, dx, dw: the interpreter's tile and ours
+        assert calls == ["fwd", "dx", "dw"] and len(tuner.tuned_configs()) == 3
+        w = values_to_dense(values.detach().double(), meta)
+        assert rel(y, x.detach().double() @ w.t() + bias.detach().double()) < 1e-6
+        dx, dv, db = reference_grads(x.detach().double(), dy.double(), values.detach().double(), meta)
+        assert rel(x.grad, dx) < 1e-6 and rel(values.grad, dv) < 1e-6 and rel(bias.grad, db) < 1e-6
+    finally:
+        unregister_backend("reference")
+    assert "reference" not in [b.name for b in tuner.backends()] and not tuner.tuned_configs()
+
+
+def test_a_changed_margin_is_not_served_a_stale_choice():
+    """A fallback backend 10% faster than the best kernel loses at the default margin (0.85) and wins at 1.0:
+    the margin is part of the kept choice's key, and of the cached plans'."""
+    calls = []
+    register_backend(_reference_backend(calls, fallback=True))
+    try:
+        meta, values, bias, x = _layer(seed=2)
+        with use_timer(lambda cfg, launch: 0.9 if isinstance(cfg, ReferenceConfig) else 1.0):
+            with torch.no_grad():
+                block_sparse_linear(x, values, meta, bias)
+                assert calls == []
+                with use_kernel_options(dense_margin=1.0):
+                    block_sparse_linear(x, values, meta, bias)
+                assert calls == ["fwd"]
+                block_sparse_linear(x, values, meta, bias)
+        assert calls == ["fwd"] and len(meta._groups["plans"]) == 2
+    finally:
+        unregister_backend("reference")
+
+
+def test_register_backend_places_and_replaces():
+    names = [b.name for b in tuner.backends()]
+    assert names == ["cuda", "tma", "gather", "dense"]  # the first candidate is the untimed choice
+    try:
+        register_backend(_reference_backend([]), before="gather")
+        assert [b.name for b in tuner.backends()] == ["cuda", "tma", "reference", "gather", "dense"]
+        register_backend(_reference_backend([]))  # same name: replaced, now last
+        assert [b.name for b in tuner.backends()] == [*names, "reference"]
+        assert tuner.backend_of(ReferenceConfig()).name == "reference"
+        with pytest.raises(KeyError, match="nope"):
+            register_backend(_reference_backend([]), before="nope")
+    finally:
+        unregister_backend("reference")
+    with pytest.raises(TypeError, match="ReferenceConfig"):
+        tuner.backend_of(ReferenceConfig())
+
+
+def test_dense_fallback_is_offered_on_cuda_unless_turned_off(monkeypatch):
+    """The dense fallback is a candidate for CUDA tensors only, and not with ``dense_fallback=False``."""
+    meta = BlockSparseMeta.from_mask(torch.ones(2, 2, dtype=torch.bool), 16)
+    cpu = torch.empty(2, 32)
+    cuda_like = torch.empty(2, 32, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t.device.type in ("cuda", "meta")))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    offered = dense.BACKEND.candidates
+    assert offered(Product("fwd", meta, cpu, cpu, False)) == []
+    assert offered(Product("fwd", meta, cuda_like, cuda_like, False)) == [DenseConfig()]
+    with use_kernel_options(dense_fallback=False):
+        assert offered(Product("dw", meta, cuda_like, cuda_like, False)) == []
+
+
+def test_tuner_takes_the_dense_fallback_only_by_a_margin():
+    """The tuner times GPU time only; the dense fallback also costs host work, so it must beat the best block
+    kernel by ``dense_margin`` to be chosen. Among block kernels the fastest wins."""
+    a, b = DdsConfig(64, 1, 1, 4, 2), DdsConfig(128, 1, 1, 4, 2)
+    fb = DenseConfig()
+    margin = 0.85
+    near = margin + 0.01  # dense a little faster than the best kernel, not by the margin
+    assert tuner.choose([(a, 1.2), (b, 1.0), (fb, near)]) == b
+    assert tuner.choose([(fb, near), (a, 1.0)]) == a
+    assert tuner.choose([(a, 1.0), (fb, margin - 0.01)]) == fb
+    assert tuner.choose([(fb, 5.0)]) == fb
+    assert tuner.choose([(a, 0.9), (b, 1.0)]) == a
+    with use_kernel_options(dense_margin=1.0):  # the plain fastest
+        assert tuner.choose([(a, 1.0), (fb, near)]) == fb
+    assert tuner.choose([(a, 1.0), (fb, 0.5)], margin=0.4) == a
+
+
+def test_dense_fallback_report_pairs_best_kernel_and_dense_times():
+    a, b, fb = DdsConfig(64, 1, 1, 4, 2), DdsConfig(128, 1, 1, 4, 2), DenseConfig()
+    timed = {("k1",): [(a, 0.3), (b, 0.2), (fb, 0.25)], ("k2",): [(a, 0.4)], ("k3",): [(a, 0.5), (fb, 0.1)]}
+    tuned = {("k1",): b, ("k2",): a, ("k3",): fb}
+    assert tuner.dense_fallback_report(tuned, timed) == [
+        {"key": "('k1',)", "kernel_ms": 0.2, "dense_ms": 0.25, "chosen": "kernel"},
+        {"key": "('k3',)", "kernel_ms": 0.5, "dense_ms": 0.1, "chosen": "dense"}]
+
+
+def test_tma_descriptor_kind_follows_graph_capture(monkeypatch):
+    """Host-made TMA descriptors only on a CUDA device while a graph is being captured; CPU tensors (the
+    interpreter) never ask CUDA."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert not tma.host_desc(cuda) and not tma.host_desc(cpu)
+    capturing[0] = True
+    assert tma.host_desc(cuda) and not tma.host_desc(cpu)
