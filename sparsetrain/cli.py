@@ -5,14 +5,13 @@
     sparsetrain recipes                                      # list recipes
     sparsetrain flops recipe=bert_phase1_dynamic             # per-layer FLOPs, dense vs sparse
     sparsetrain pareto multirun/quickstart/... --out pareto.png
-    sparsetrain bench blocksparse|semi24|inference           # GPU benchmarks (ratios vs dense, one run)
+    sparsetrain bench blocksparse|semi24|inference [args]    # GPU benchmarks (ratios vs dense, one run)
     sparsetrain export RUN_DIR --format hf|sparse --out DIR
 """
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 USAGE = __doc__
 
@@ -85,7 +84,8 @@ def cmd_flops(argv: Sequence[str]) -> int:
     from omegaconf import OmegaConf
 
     from sparsetrain import flops
-    from sparsetrain.config import ConfigError, build_run, compose, sparsify_model
+    from sparsetrain.config import ConfigError, build_run, compose
+    from sparsetrain.training.setup import sparsify_model
 
     bad = _check_recipe(argv)
     if bad is not None:
@@ -95,10 +95,7 @@ def cmd_flops(argv: Sequence[str]) -> int:
         spec = build_run(cfg)
         model = spec.build_model()
         layers = sparsify_model(model, spec.scheduler, spec.sparsify_kwargs, format="masked")
-        if spec.scheduler.name == "sparse_then_dense":  # count the 2:4 phase (straight-through layers)
-            for layer in layers.values():
-                layer.set_format("masked_st")
-                layer.set_mask(spec.scheduler.nm.mask(layer.weight_parameter().detach()))
+        spec.scheduler.prepare_flop_count(layers)  # e.g. sparse-then-dense counts its 2:4 phase
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -123,26 +120,13 @@ def cmd_pareto(argv: Sequence[str]) -> int:
     return pareto.main(list(argv))
 
 
-BENCHES = {"blocksparse": "bench_blocksparse.py", "semi24": "bench_semi24.py", "inference": "bench_inference.py"}
-
-
 def cmd_bench(argv: Sequence[str]) -> int:
-    import runpy
+    from sparsetrain import bench
 
-    if not argv or argv[0] not in BENCHES:
-        print(f"usage: sparsetrain bench {{{'|'.join(BENCHES)}}} [args]  (needs a CUDA GPU)", file=sys.stderr)
+    if not argv or argv[0] not in bench.BENCHES:
+        print(f"usage: sparsetrain bench {{{'|'.join(bench.BENCHES)}}} [args]  (needs a CUDA GPU)", file=sys.stderr)
         return 2
-    script = Path(__file__).resolve().parent.parent / "scripts" / BENCHES[argv[0]]
-    if not script.is_file():
-        print(f"error: {script} not found: benchmarks run from a source checkout", file=sys.stderr)
-        return 2
-    saved = sys.argv
-    sys.argv = [str(script), *argv[1:]]
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-    finally:
-        sys.argv = saved
-    return 0
+    return bench.run(argv[0], list(argv[1:]))
 
 
 def cmd_export(argv: Sequence[str]) -> int:

@@ -1,7 +1,8 @@
 """The one place Hydra is touched: find configs and recipes, compose, validate, instantiate.
 
-Below this module nothing sees a DictConfig: :func:`build_run` turns a composed config into plain
-objects (model, scheduler, optimizer factory, data builder, :class:`~sparsetrain.training.loop.TrainArgs`).
+Below this module nothing sees a DictConfig: :func:`build_run` turns a composed config into a
+:class:`~sparsetrain.training.setup.RunSpec` of plain objects (model, data and optimizer builders, scheduler,
+sparsify arguments, :class:`~sparsetrain.training.setup.TrainArgs`).
 """
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import importlib
 import inspect
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from sparsetrain.training.setup import RunSpec, TrainArgs, optimizer_factory, sparsify_model
+
+__all__ = ["ConfigError", "RunSpec", "build_run", "compose", "config_dir", "list_recipes", "recipes_dir",
+           "sparsify_model", "validate"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
@@ -153,9 +158,8 @@ def _choice(cfg: DictConfig, key: str, choices) -> str:
 
 def validate(cfg: DictConfig) -> None:
     """Check every value before any model, data or file is touched; raise ConfigError naming the key."""
-    from sparsetrain.nn.formats import FORMATS, _import_optional_formats
     from sparsetrain.sparsity.distributions import DISTRIBUTIONS
-    from sparsetrain.sparsity.layout import Block, check_density
+    from sparsetrain.sparsity.layout import check_density
     from sparsetrain.sparsity.policies import Policy
     from sparsetrain.sparsity.schedulers import SparsityScheduler
 
@@ -179,6 +183,7 @@ def validate(cfg: DictConfig) -> None:
     clip = cfg.trainer.clip_grad_norm
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError("trainer.clip_grad_norm", f"must be a positive number or null, got {clip!r}")
+    kernel_options(cfg)
     resume = cfg.trainer.resume
     if resume not in (None, "auto") and not Path(str(resume)).is_dir():
         raise ConfigError("trainer.resume", f"must be 'auto', null or an existing checkpoint dir, got {resume!r}")
@@ -212,14 +217,10 @@ def validate(cfg: DictConfig) -> None:
         check_density(sp.density, "sparsity.density")
     except (TypeError, ValueError) as e:
         raise ConfigError("sparsity.density", f"must be a number in (0, 1], got {sp.density!r}") from e
-    try:
-        Block.parse(_plain(sp.block))
-    except ValueError as e:
-        raise ConfigError("sparsity.block", str(e)) from e
+    parse_block(cfg)
     _choice(cfg, "sparsity.distribution", tuple(DISTRIBUTIONS))
     _choice(cfg, "sparsity.init", ("random", "magnitude"))
-    _import_optional_formats()
-    _choice(cfg, "sparsity.format", tuple(FORMATS))
+    _check_format(cfg)
     for k, v in (_plain(sp.density_overrides) or {}).items():
         try:
             check_density(v)
@@ -237,6 +238,51 @@ def validate(cfg: DictConfig) -> None:
         build_scheduler(cfg)  # constructing it validates its values (pure, cheap)
     if cfg.logger.wandb.enabled:
         _choice(cfg, "logger.wandb.mode", ("offline", "online", "disabled"))
+
+
+def parse_block(cfg: DictConfig):
+    """``sparsity.block`` as a :class:`~sparsetrain.sparsity.layout.Block` (``16``, ``[16, 32]``, ``"16x32"``)."""
+    from sparsetrain.sparsity.layout import Block
+
+    try:
+        return Block.parse(_plain(cfg.sparsity.block))
+    except ValueError as e:
+        raise ConfigError("sparsity.block", str(e)) from e
+
+
+def _check_format(cfg: DictConfig) -> None:
+    """``sparsity.format``: a registered format name or the dotted path of a WeightFormat subclass."""
+    from sparsetrain.nn.formats import resolve_format
+
+    try:
+        resolve_format(cfg.sparsity.format)
+    except ValueError as e:
+        raise ConfigError("sparsity.format", str(e)) from e
+
+
+def kernel_options(cfg: DictConfig):
+    """``trainer.kernels`` as a :class:`~sparsetrain.kernels.KernelOptions`; KernelOptions checks the values
+    itself and its ``"field: message"`` error becomes one naming ``trainer.kernels.<field>``."""
+    from dataclasses import fields
+
+    from sparsetrain.kernels import KernelOptions
+
+    node = _plain(OmegaConf.select(cfg, "trainer.kernels"))
+    if node is None:
+        return KernelOptions()
+    if not isinstance(node, dict):
+        raise ConfigError("trainer.kernels", f"must be a mapping of kernel options, got {node!r}")
+    known = {f.name for f in fields(KernelOptions)}
+    unknown = sorted(set(node) - known)
+    if unknown:
+        raise ConfigError(f"trainer.kernels.{unknown[0]}", f"is not a kernel option; known: {sorted(known)}")
+    try:
+        return KernelOptions(**node)
+    except ValueError as e:
+        field, sep, message = str(e).partition(": ")
+        if sep and field in known:
+            raise ConfigError(f"trainer.kernels.{field}", message) from e
+        raise ConfigError("trainer.kernels", str(e)) from e
 
 
 def _optimizer_base() -> type:
@@ -291,39 +337,11 @@ def optimizer_builder(cfg: DictConfig) -> Callable:
     node = _plain(cfg.optim.optimizer)
     cls = resolve_target(node, "optim.optimizer", base=_optimizer_base())
     kwargs = {k: v for k, v in node.items() if k != "_target_"}
-    no_decay = tuple(_plain(cfg.optim.no_decay) or ())
-
-    def make(model):
-        decay, plain = [], []
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            (plain if p.ndim < 2 or any(s in name for s in no_decay) else decay).append(p)
-        wd = kwargs.get("weight_decay", 0.0)
-        groups = [{"params": decay, "weight_decay": wd}, {"params": plain, "weight_decay": 0.0}]
-        return cls([g for g in groups if g["params"]], **{k: v for k, v in kwargs.items() if k != "weight_decay"})
-
-    return make
-
-
-@dataclass
-class RunSpec:
-    """Everything a run needs, as plain objects and callables."""
-
-    build_model: Callable
-    build_data: Callable
-    build_optimizer: Callable
-    scheduler: Any
-    sparsify_kwargs: dict
-    train_args: Any
-    method: str
-    config: dict
+    return optimizer_factory(cls, kwargs, tuple(_plain(cfg.optim.no_decay) or ()))
 
 
 def build_run(cfg: DictConfig) -> RunSpec:
     """Validate ``cfg`` and turn it into a :class:`RunSpec` (nothing is loaded or written yet)."""
-    from sparsetrain.training.loop import TrainArgs
-
     validate(cfg)
     sp = cfg.sparsity
     scheduler = build_scheduler(cfg)
@@ -336,7 +354,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
     sparsify_kwargs = dict(
         targets=list(sp.targets), exclude=list(sp.exclude), density=float(sp.density),
         distribution=str(sp.distribution), density_overrides=_plain(sp.density_overrides) or None,
-        block=_plain(sp.block), format=str(sp.format), init=str(sp.init), seed=int(cfg.seed),
+        block=parse_block(cfg), format=str(sp.format), init=str(sp.init), seed=int(cfg.seed),
     )
     t, o = cfg.trainer, cfg.optim
     args = TrainArgs(
@@ -349,31 +367,11 @@ def build_run(cfg: DictConfig) -> RunSpec:
         seed=int(cfg.seed), progress=bool(cfg.logger.progress), plot=bool(cfg.logger.plot),
         wandb=bool(cfg.logger.wandb.enabled), wandb_mode=str(cfg.logger.wandb.mode),
         wandb_project=str(cfg.logger.wandb.project), wandb_name=cfg.logger.wandb.name,
-        recipe=str(cfg.recipe_info.name),
+        recipe=str(cfg.recipe_info.name), kernels=kernel_options(cfg),
     )
     method = getattr(scheduler, "describe", lambda: str(sp.name))()
     return RunSpec(model_builder(cfg), data_builder(cfg), optimizer_builder(cfg), scheduler, sparsify_kwargs,
-                   args, method, OmegaConf.to_container(cfg, resolve=True))
-
-
-def sparsify_model(model, scheduler, sparsify_kwargs: dict, format: str | None = None) -> dict:
-    """Sparsify ``model`` as the run's scheduler wants it: per-layer target densities from the distribution,
-    each layer started at ``scheduler.initial_density(target)`` (dense for gradual pruning and 2:4)."""
-    from sparsetrain.nn.sparsify import select_linears, sparsify
-    from sparsetrain.sparsity.distributions import layer_densities
-    from sparsetrain.sparsity.schedulers import GradualMagnitude
-
-    if not scheduler.sparse:
-        return {}
-    kw = dict(sparsify_kwargs)
-    chosen = select_linears(model, kw["targets"], kw["exclude"])
-    targets = layer_densities({n: tuple(m.weight.shape) for n, m in chosen.items()}, kw.pop("density"),
-                              kw.pop("distribution"), kw.pop("density_overrides"))
-    if isinstance(scheduler, GradualMagnitude):
-        scheduler.set_targets(targets)
-    if format is not None:
-        kw["format"] = format
-    return sparsify(model, density={n: scheduler.initial_density(d) for n, d in targets.items()}, **kw)
+                   args, method, OmegaConf.to_container(cfg, resolve=True), block_label=str(_plain(sp.block)))
 
 
 def run_dir_from_hydra() -> Path:

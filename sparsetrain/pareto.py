@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparsetrain.training.logging import (
+from sparsetrain.training.metrics import (
     METRICS_FILE,
     SUMMARY_FILE,
     format_flops,

@@ -24,3 +24,25 @@ def _seed():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine: pytest -m gpu)")
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory):
+    """The project's wheel, built from a clean copy of the source (a stale build/ folder of the checkout would
+    otherwise ship modules that no longer exist)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path_factory.mktemp("wheel_src")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    for folder in ("sparsetrain", "configs", "recipes"):
+        shutil.copytree(root / folder, src / folder, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(src),
+                    "-w", str(out)], check=True, capture_output=True, cwd=src)
+    return next(out.glob("sparsetrain-*.whl"))

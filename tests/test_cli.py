@@ -9,12 +9,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+KILL_LAUNCHER = Path(__file__).resolve().parent / "kill_at_step.py"
 TINY = ["trainer.batch_size=8", "data.seq_len=32", "data.vocab_size=1024", "trainer.eval_batches=2"]
 
 
-def cli(*args, env=None, check=True, timeout=600):
+def cli(*args, env=None, check=True, timeout=600, kill_at_step=None):
+    """Run ``sparsetrain ARGS`` in a subprocess; ``kill_at_step=N`` SIGKILLs it after step N
+    (through tests/kill_at_step.py)."""
     e = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    r = subprocess.run([sys.executable, "-m", "sparsetrain.cli", *args], cwd=ROOT, env=e, capture_output=True,
+    launcher = ["-m", "sparsetrain.cli"] if kill_at_step is None else [str(KILL_LAUNCHER), str(kill_at_step)]
+    r = subprocess.run([sys.executable, *launcher, *args], cwd=ROOT, env=e, capture_output=True,
                        text=True, timeout=timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\nSTDOUT:\n{r.stdout[-3000:]}\nSTDERR:\n{r.stderr[-3000:]}")
@@ -59,7 +63,7 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
               "trainer.eval_every=12", "logger=quiet", "sparsity.scheduler.num_updates=5", *TINY]
     a, b = tmp_path / "a", tmp_path / "b"
     cli("train", *common, f"hydra.run.dir={a}")
-    killed = cli("train", *common, f"hydra.run.dir={b}", env={"SPARSETRAIN_TEST_KILL_AT_STEP": "13"}, check=False)
+    killed = cli("train", *common, f"hydra.run.dir={b}", kill_at_step=13, check=False)
     assert killed.returncode != 0
     assert sorted(p.name for p in (b / "checkpoints").iterdir() if not p.name.startswith(".")) == ["step_00000008"]
     again = cli("train", *common, f"hydra.run.dir={b}", check=False)           # refuses to clobber

@@ -14,6 +14,7 @@ from sparsetrain.config import (
     recipes_dir,
     validate,
 )
+from sparsetrain.kernels import KernelOptions
 from sparsetrain.sparsity.schedulers import SparsityScheduler
 
 GROUPS = ["model", "data", "sparsity", "optim", "trainer", "logger"]
@@ -135,19 +136,15 @@ def test_config_dirs_exist():
     assert Path(recipes_dir(), "quickstart.yaml").is_file()
 
 
-def test_non_editable_install_finds_configs_and_recipes(tmp_path):
+def test_non_editable_install_finds_configs_and_recipes(tmp_path, built_wheel):
     """`pip install .` (not editable) ships configs/ and recipes/ inside the package."""
     import os
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
-    wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
-                    "-w", str(wheel_dir)], check=True, capture_output=True, cwd=tmp_path)
-    wheel = next(wheel_dir.glob("sparsetrain-*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True, cwd=tmp_path)
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                    str(built_wheel)], check=True, capture_output=True, cwd=tmp_path)
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run([sys.executable, "-m", "sparsetrain.cli", "recipes"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, check=True).stdout
@@ -155,6 +152,9 @@ def test_non_editable_install_finds_configs_and_recipes(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sparsetrain.cli", "flops", "recipe=quickstart"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, check=True).stdout
     assert "sparse / dense" in out
+    r = subprocess.run([sys.executable, "-m", "sparsetrain.cli", "bench", "nope"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "blocksparse|semi24|inference" in r.stderr
 
 
 def test_switching_method_under_a_recipe_ignores_its_other_scheduler_keys():
@@ -164,3 +164,46 @@ def test_switching_method_under_a_recipe_ignores_its_other_scheduler_keys():
     assert spec.scheduler.name == "static" and spec.sparsify_kwargs["density"] == 0.1
     with pytest.raises(ConfigError, match="sparsity.scheduler"):
         build_run(compose(["recipe=quickstart", "sparsity.scheduler.drop_fraction=-1"]))
+
+
+def test_kernel_options_come_from_the_config():
+    spec = build_run(compose(["recipe=quickstart"]))
+    assert spec.train_args.kernels == KernelOptions()  # the defaults, for every trainer group option
+    for trainer in _options("trainer"):
+        assert compose([f"trainer={trainer}"]).trainer.kernels.dense_margin == KernelOptions().dense_margin
+    spec = build_run(compose(["recipe=quickstart", "trainer.kernels.dense_fallback=false",
+                              "trainer.kernels.dense_margin=1.0", "trainer.kernels.spmm_backend=triton"]))
+    assert spec.train_args.kernels == KernelOptions(dense_fallback=False, dense_margin=1.0, spmm_backend="triton")
+
+
+@pytest.mark.parametrize("override,key", [
+    ("trainer.kernels.dense_margin=0", "trainer.kernels.dense_margin"),
+    ("trainer.kernels.dense_margin=1.5", "trainer.kernels.dense_margin"),
+    ("trainer.kernels.spmm_backend=cuda", "trainer.kernels.spmm_backend"),
+    ("trainer.kernels.fast_launch=maybe", "trainer.kernels.fast_launch"),
+    ("+trainer.kernels.tma=true", "trainer.kernels.tma"),
+])
+def test_bad_kernel_option_names_its_key(override, key):
+    cfg = compose(["recipe=quickstart", override])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == key, str(e.value)
+
+
+def test_format_is_a_registered_name_or_a_dotted_path():
+    cfg = compose(["recipe=quickstart", "sparsity.format=sparsetrain.nn.formats.MaskedFormat"])
+    validate(cfg)
+    assert build_run(cfg).sparsify_kwargs["format"] == "sparsetrain.nn.formats.MaskedFormat"
+    for bad in ("nope", "sparsetrain.nn.formats.Nope", "torch.nn.Linear"):
+        with pytest.raises(ConfigError) as e:
+            validate(compose(["recipe=quickstart", f"sparsity.format={bad}"]))
+        assert e.value.key == "sparsity.format"
+
+
+def test_block_is_parsed_once_and_keeps_its_spelling():
+    from sparsetrain.sparsity.layout import Block
+
+    spec = build_run(compose(["recipe=quickstart", "sparsity.block=16"]))
+    assert spec.sparsify_kwargs["block"] == Block(16, 16) and spec.block_label == "16"
+    spec = build_run(compose(["recipe=quickstart", "sparsity.block=[16,32]"]))
+    assert spec.sparsify_kwargs["block"] == Block(16, 32)

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from sparsetrain.pareto import collect_runs, format_table, main, plot_pareto, read_run
-from sparsetrain.training.logging import MetricsLogger, read_metrics, write_summary
+from sparsetrain.training.metrics import MetricsLogger, read_metrics, write_summary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

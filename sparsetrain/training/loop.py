@@ -7,68 +7,25 @@
 """
 from __future__ import annotations
 
-import math
-import os
-import signal
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sparsetrain import flops as flop_count
+from sparsetrain.kernels import set_kernel_options
 from sparsetrain.training import checkpoint as ckpt
-
-
-@dataclass
-class TrainArgs:
-    max_steps: int = 100
-    batch_size: int = 8
-    grad_accum: int = 1
-    mixed_precision: str = "no"
-    clip_grad_norm: float | None = 1.0
-    eval_every: int = 50
-    eval_batches: int = 4
-    log_every: int = 10
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
-    resume: str | None = None
-    device: str = "auto"
-    num_workers: int = 0
-    compile: bool = False
-    compile_mode: str | None = None
-    lr_schedule: str = "cosine"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    seed: int = 0
-    progress: bool = True
-    plot: bool = True
-    wandb: bool = False
-    wandb_mode: str = "offline"
-    wandb_project: str = "sparsetrain"
-    wandb_name: str | None = None
-    recipe: str = "custom"
+from sparsetrain.training.metrics import MetricsLogger, Progress, format_summary, window_rate, write_summary
+from sparsetrain.training.plots import plot_run
+from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
+from sparsetrain.training.tracking import end_tracking, init_tracking, log_tracking
 
 
 class RunDirError(RuntimeError):
     pass
-
-
-def lr_lambda(schedule: str, warmup: int, total: int, min_ratio: float):
-    """Linear warmup to the peak, then constant / linear / cosine decay to ``min_ratio`` of the peak."""
-
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if schedule == "constant":
-            return 1.0
-        t = min(1.0, (step - warmup) / max(1, total - warmup))
-        if schedule == "linear":
-            return min_ratio + (1 - min_ratio) * (1 - t)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
-
-    return f
 
 
 class Batches:
@@ -110,28 +67,28 @@ def _to(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def _kill_hook(step: int) -> None:
-    """Test hook: SPARSETRAIN_TEST_KILL_AT_STEP=N kills this process after step N (simulated crash)."""
-    at = os.environ.get("SPARSETRAIN_TEST_KILL_AT_STEP")
-    if at and int(at) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
+def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
+    """Run one training job described by ``spec`` into ``run_dir``; return the summary.
+
+    The run's kernel options (``spec.train_args.kernels``) are in force for the whole run, set once here and
+    restored when it ends.
+    """
+    previous = set_kernel_options(spec.train_args.kernels)
+    try:
+        return _train(spec, Path(run_dir))
+    finally:
+        set_kernel_options(previous)
 
 
-def train(spec, run_dir: Path) -> dict[str, Any]:
-    """Run one training job described by a :class:`sparsetrain.config.RunSpec` into ``run_dir``."""
+def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     import logging
 
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    from sparsetrain import flops as flop_count
-    from sparsetrain.config import sparsify_model
-    from sparsetrain.training import logging as tlog
-
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
     args: TrainArgs = spec.train_args
     scheduler = spec.scheduler
-    run_dir = Path(run_dir)
     ckpt_root = run_dir / "checkpoints"
 
     # -- 1. refuse to clobber: decided before anything is written --------------------------------
@@ -158,8 +115,7 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
 
         OmegaConf.save(OmegaConf.create(spec.config), run_dir / "config.yaml")
     optimizer = spec.build_optimizer(model)
-    lr_sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(args.lr_schedule, args.warmup_steps, args.max_steps, args.min_lr_ratio))
+    lr_sched = lr_scheduler(optimizer, args)
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
     raw_opt = getattr(optimizer, "optimizer", optimizer)
@@ -199,18 +155,18 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         window = resume_state["window"]
         report = flop_report()
         if main:
-            tlog.MetricsLogger.truncate_after(run_dir, step)
+            MetricsLogger.truncate_after(run_dir, step)
             print(f"resumed from {resume_path} at step {step}", flush=True)
-    logger = tlog.MetricsLogger(run_dir, is_main_process=main)
+    logger = MetricsLogger(run_dir, is_main_process=main)
     if args.wandb:
-        tlog.init_tracking(accelerator, args.wandb_project, str(run_dir), spec.config, mode=args.wandb_mode,
+        init_tracking(accelerator, args.wandb_project, str(run_dir), spec.config, mode=args.wandb_mode,
                            name=args.wandb_name, enabled=True)
-    progress = tlog.Progress(args.max_steps, initial=step, disable=not (args.progress and main))
+    progress = Progress(args.max_steps, initial=step, disable=not (args.progress and main))
 
     def log(row: dict) -> None:
         logger.log(row)
         if args.wandb:
-            tlog.log_tracking(accelerator, row, row["step"])
+            log_tracking(accelerator, row, row["step"])
 
     for rec in dispatch:  # shape-aware 2:4 vs dense decisions, one row per layer
         log({"step": step, "event": "dispatch", **rec})
@@ -311,7 +267,6 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
             log({"step": step, **last_eval, "train_flops": train_flops, "elapsed_s": elapsed})
         if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.max_steps:
             save(step)
-        _kill_hook(step)
     save(step)
     progress.close()
     masks_identical = None
@@ -325,7 +280,7 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
     # -- 6. summary -------------------------------------------------------------------------------------
     summary = {
         "status": "finished", "method": spec.method, "recipe": args.recipe, "density": scheduler.density,
-        "block": str(spec.sparsify_kwargs.get("block")) if scheduler.sparse else "-", "steps": step,
+        "block": spec.block_label if scheduler.sparse else "-", "steps": step,
         "final_eval_loss": last_eval["eval_loss"] if last_eval else None,
         "total_train_flops": train_flops, "wall_s": elapsed,
         "tokens_per_s" if rate_key == "tokens_per_s" else "samples_per_s":
@@ -335,27 +290,15 @@ def train(spec, run_dir: Path) -> dict[str, Any]:
         "flops_per_step_dense": report.dense_total, "flops_per_step_sparse": report.sparse_total,
     }
     if main:
-        tlog.write_summary(run_dir, **summary)
+        write_summary(run_dir, **summary)
         if args.plot:
-            tlog.plot_run(run_dir)
-        print(tlog.format_summary(summary), flush=True)
+            plot_run(run_dir)
+        print(format_summary(summary), flush=True)
     if args.wandb:
-        tlog.end_tracking(accelerator)
+        end_tracking(accelerator)
     accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
     accelerator.end_training()
     return summary
-
-
-def plan_kernel_dispatch(model: torch.nn.Module, tokens: int, cpu: bool) -> list[dict]:
-    """On a GPU, time 2:4 against dense for every 2:4 layer's shape and keep the faster path per layer."""
-    from sparsetrain.sparsity.schedulers import sparse_layers
-
-    if cpu or not any(layer.format_name == "2:4" for layer in sparse_layers(model).values()):
-        return []
-    from sparsetrain.kernels.semi24_format import plan_dispatch
-
-    keep = ("name", "shape", "ms_24", "ms_24fwd", "ms_dense", "choice", "speedup_vs_linear")
-    return [{k: r[k] for k in keep if k in r} for r in plan_dispatch(model, tokens)]
 
 
 def mask_signature(model: torch.nn.Module) -> torch.Tensor:
@@ -367,11 +310,3 @@ def mask_signature(model: torch.nn.Module) -> torch.Tensor:
         m = layer.mask.detach().flatten().cpu().double()
         sig += ((torch.arange(m.numel(), dtype=torch.float64) + 1) * m).sum() * (i + 1)
     return sig
-
-
-def window_rate(run_dir: Path, key: str) -> float | None:
-    """Median throughput over the logged rows (robust to the first, warm-up window)."""
-    from sparsetrain.training.logging import read_metrics
-
-    vals = sorted(r[key] for r in read_metrics(run_dir) if key in r)
-    return vals[len(vals) // 2] if vals else None

@@ -1,57 +1,24 @@
-"""Tests for sparsetrain.training.logging: metrics.jsonl, resume, progress, plots, summary, wandb."""
+"""sparsetrain.training.metrics: metrics.jsonl, resume truncation, progress bar, summary."""
 import json
 import math
 import os
-import random
 
 import pytest
 
-from sparsetrain.training.logging import (
+from sparsetrain.training.metrics import (
     MetricsLogger,
     Progress,
-    end_tracking,
     format_flops,
     format_summary,
-    init_tracking,
-    log_tracking,
-    plot_run,
     read_metrics,
     read_summary,
+    window_rate,
     write_summary,
 )
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
-
-def _train_row(step: int, rng: random.Random, density: float = 0.1) -> dict:
-    return {"step": step, "loss": 5.0 * math.exp(-step / 40) + rng.random() * 0.1, "lr": 1e-3,
-            "train_flops": 1e12 * step, "tokens_per_s": 5e4 + rng.random() * 1e3, "density": density,
-            "elapsed_s": 0.1 * step}
-
-
-def _write_run(run_dir, steps: int = 120, seed: int = 0) -> list[dict]:
-    """Log a synthetic run (train rows, mask updates, evals, an unknown event); return the rows."""
-    rng = random.Random(seed)
-    rows = []
-    for step in range(1, steps + 1):
-        train = _train_row(step, rng, density=0.1 + 0.2 * (step < 30))
-        rows.append(train)
-        if step % 20 == 0:
-            rows.append({"step": step, "event": "mask_update", "pruned": 64, "regrown": 64,
-                         "drop_fraction": 0.3})
-        if step % 25 == 0:
-            rows.append({"step": step, "eval_loss": train["loss"] + 0.2, "train_flops": 1e12 * step,
-                         "elapsed_s": 0.1 * step})
-        if step == 60:
-            rows.append({"step": step, "event": "dispatch", "kernel": "bsr", "unknown_key": [1, 2]})
-    with MetricsLogger(run_dir) as log:
-        for row in rows:
-            log.log(row)
-    return rows
-
-
-def test_log_roundtrip_and_nonfinite(tmp_path):
-    rows = _write_run(tmp_path)
+def test_log_roundtrip_and_nonfinite(tmp_path, write_run):
+    rows = write_run(tmp_path)
     back = read_metrics(tmp_path)
     assert back == rows
     with MetricsLogger(tmp_path) as log:  # append mode: a second logger continues the file
@@ -90,8 +57,8 @@ def test_non_main_process_writes_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("keep_step", [0, 37, 75, 120, 500])
-def test_truncate_after_keeps_exact_rows(tmp_path, keep_step):
-    rows = _write_run(tmp_path, seed=keep_step)
+def test_truncate_after_keeps_exact_rows(tmp_path, keep_step, write_run):
+    rows = write_run(tmp_path, seed=keep_step)
     # A killed run can leave a partial last line and a row without a step.
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"note": "no step"}) + "\n")
@@ -129,28 +96,6 @@ def test_progress_shows_postfix(capsys):
     assert capsys.readouterr().err == ""
 
 
-def _check_png(path, min_bytes=10_000):
-    import matplotlib.image as mpimg
-
-    assert path.read_bytes()[:8] == PNG_MAGIC
-    assert path.stat().st_size > min_bytes
-    img = mpimg.imread(path)
-    assert img.std() > 0.05, "image is (nearly) blank"
-    return img
-
-
-def test_plot_run_writes_png(tmp_path):
-    _write_run(tmp_path)
-    with MetricsLogger(tmp_path) as log:
-        log.log({"step": 121, "loss": float("nan"), "density": 0.1})
-    write_summary(tmp_path, status="finished", method="prune_regrow/random", density=0.1)
-    out = plot_run(tmp_path)
-    assert out == tmp_path / "curves.png"
-    _check_png(out)
-    with pytest.raises(ValueError, match="run_dir"):
-        plot_run(tmp_path / "empty")
-
-
 def test_summary_roundtrip_and_format(tmp_path):
     fields = {"status": "finished", "method": "static", "recipe": "bert_tiny", "density": 0.1,
               "block": "16x16", "steps": 1000, "final_eval_loss": 3.41234, "total_train_flops": 1.234e15,
@@ -175,51 +120,11 @@ def test_format_flops(value, text):
         assert float(text) == pytest.approx(value, rel=5e-3)
 
 
-@pytest.fixture
-def wandb_env(monkeypatch):
-    """Isolate wandb env vars and Accelerate's process-wide state from other tests."""
-    for var in ("WANDB_MODE", "WANDB_DIR", "WANDB_SILENT", "WANDB_CONSOLE"):
-        monkeypatch.setenv(var, "unset-by-test")  # records the old value so teardown restores it
-        monkeypatch.delenv(var)
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    yield
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
 
 
-def test_wandb_offline_files(tmp_path, wandb_env):
-    from accelerate import Accelerator
-
-    run_dir = tmp_path / "run"
-    acc = Accelerator(log_with="wandb", project_dir=str(run_dir))
-    with pytest.raises(ValueError, match="mode"):
-        init_tracking(acc, "sparsetrain-test", str(run_dir), {}, mode="cloud")
-    init_tracking(acc, "sparsetrain-test", str(run_dir), {"sparsity": {"density": 0.1}, "seed": 0}, name="t")
-    assert os.environ["WANDB_MODE"] == "offline" and os.environ["WANDB_DIR"] == str(run_dir)
-    for step in range(1, 4):
-        log_tracking(acc, {"step": step, "loss": 1.0 / step, "lr": 1e-3, "peak_mem_gb": None}, step=step)
-    log_tracking(acc, {"step": 3, "event": "mask_update", "pruned": 4, "regrown": 4}, step=3)
-    end_tracking(acc)
-    assert acc.trackers == []
-    acc.end_training()  # must not finish the wandb run a second time
-    runs = list((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    wandb_files = list(runs[0].glob("*.wandb"))
-    assert len(wandb_files) == 1
-    # The logged keys reached the run file (records are protobufs; their key strings are stored as is).
-    data = wandb_files[0].read_bytes()
-    assert b"loss" in data and b"mask_update/pruned" in data
-
-
-def test_tracking_disabled_and_wrong_accelerator(tmp_path, wandb_env):
-    from accelerate import Accelerator
-
-    acc = Accelerator(log_with=None, project_dir=str(tmp_path))
-    init_tracking(acc, "p", str(tmp_path), {}, enabled=False)
-    log_tracking(acc, {"step": 1, "loss": 1.0}, step=1)  # no trackers: a no-op
-    end_tracking(acc)
-    assert not (tmp_path / "wandb").exists() and "WANDB_MODE" not in os.environ
-    with pytest.raises(ValueError, match="log_with"):
-        init_tracking(acc, "p", str(tmp_path), {})
+def test_window_rate_is_the_median_of_logged_rates(tmp_path):
+    with MetricsLogger(tmp_path) as log:
+        for step, rate in ((1, 10.0), (2, 1000.0), (3, 30.0), (4, 20.0)):
+            log.log({"step": step, "tokens_per_s": rate})
+    assert window_rate(tmp_path, "tokens_per_s") == 30.0
+    assert window_rate(tmp_path, "samples_per_s") is None

@@ -1,4 +1,4 @@
-"""Run logging: metrics.jsonl, a progress bar, curve plots, summary.json and wandb through Accelerate.
+"""Run metrics: metrics.jsonl, a progress bar and summary.json (plots: :mod:`.plots`; wandb: :mod:`.tracking`).
 
 A run directory holds `metrics.jsonl` (one JSON object per line, each with an integer `"step"`),
 `summary.json` (written once at the end) and, when tracking is on, `wandb/`. The row contract:
@@ -37,17 +37,15 @@ if TYPE_CHECKING:  # annotations are strings here (__future__), so Self costs no
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-CURVES_FILE = "curves.png"
-WANDB_MODES = ("offline", "online", "disabled")
 
 _NONFINITE_TO_STR = {math.inf: "Infinity", -math.inf: "-Infinity"}
-_STR_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+NONFINITE_MARKERS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
 
 # --------------------------------------------------------------------------------------------------
 # JSON encoding shared by metrics.jsonl and summary.json
 # --------------------------------------------------------------------------------------------------
-def _jsonable(value: Any, key: str) -> Any:
+def json_value(value: Any, key: str) -> Any:
     """Convert one value to strict-JSON types; tensors and numpy scalars become Python numbers."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
@@ -58,27 +56,27 @@ def _jsonable(value: Any, key: str) -> Any:
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, dict):
-        return {str(k): _jsonable(v, f"{key}.{k}") for k, v in value.items()}
+        return {str(k): json_value(v, f"{key}.{k}") for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v, key) for v in value]
+        return [json_value(v, key) for v in value]
     # torch tensors and numpy scalars: a one-element value becomes its Python number. Checked by
     # duck typing so this module imports neither torch nor numpy.
     if hasattr(value, "item") and getattr(value, "size", None) is not None:
         try:
-            return _jsonable(value.item(), key)
+            return json_value(value.item(), key)
         except (ValueError, RuntimeError):
             pass
     raise TypeError(f"value for key {key!r} has type {type(value).__name__}, which cannot be written as JSON")
 
 
 def _dumps(obj: dict) -> str:
-    encoded = {str(k): _jsonable(v, str(k)) for k, v in obj.items()}
+    encoded = {str(k): json_value(v, str(k)) for k, v in obj.items()}
     return json.dumps(encoded, allow_nan=False)
 
 
 def _decode_row(row: dict) -> dict:
     """Turn the non-finite markers of a flat row back into floats."""
-    return {k: _STR_TO_NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
+    return {k: NONFINITE_MARKERS.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -100,7 +98,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def _check_step(row: Any) -> None:
+def check_row(row: Any) -> None:
     if not isinstance(row, dict):
         raise TypeError(f"row must be a dict, got {type(row).__name__}")
     step = row.get("step")
@@ -134,7 +132,7 @@ class MetricsLogger:
 
     def log(self, row: dict) -> None:
         """Append one row (a flat dict with an int `"step"`) and flush it to disk."""
-        _check_step(row)
+        check_row(row)
         if self._file is None:
             return
         line = _dumps(row)  # encode before writing: a bad value raises without leaving a partial line
@@ -286,7 +284,7 @@ def write_summary(run_dir: str | os.PathLike, **fields: Any) -> Path:
     """
     path = Path(run_dir) / SUMMARY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    encoded = {k: _jsonable(v, k) for k, v in fields.items()}
+    encoded = {k: json_value(v, k) for k, v in fields.items()}
     _atomic_write_text(path, json.dumps(encoded, indent=2, allow_nan=False) + "\n")
     return path
 
@@ -361,183 +359,7 @@ def format_summary(summary: dict) -> str:
     return " ".join(head) + "\n  " + " | ".join(body)
 
 
-# --------------------------------------------------------------------------------------------------
-# Curves
-# --------------------------------------------------------------------------------------------------
-def _run_label(run_dir: Path) -> str:
-    summary = read_summary(run_dir) or {}
-    parts = [run_dir.name] + [str(summary[k]) for k in ("method", "recipe") if summary.get(k)]
-    if isinstance(summary.get("density"), (int, float)):
-        parts.append(f"density {summary['density']:.3g}")
-    return " | ".join(parts)
-
-
-def plot_run(run_dir: str | os.PathLike) -> Path:
-    """Plot `run_dir/metrics.jsonl` into `run_dir/curves.png`; return its path.
-
-    Top panel: train loss and eval loss vs step (non-finite train losses are marked with red x at
-    the top edge). Bottom panel: overall density vs step, with mask-update steps marked.
-
-    Example:
-        >>> plot_run("runs/demo")
-        PosixPath('runs/demo/curves.png')
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
-    if not rows:
-        raise ValueError(f"run_dir {str(run_dir)!r} has no rows in {METRICS_FILE}")
-    train = [r for r in rows if "loss" in r and "event" not in r]
-    evals = [r for r in rows if "eval_loss" in r and "event" not in r]
-    updates = [r["step"] for r in rows if r.get("event") == "mask_update"]
-    dens = [r for r in train if isinstance(r.get("density"), (int, float))]
-
-    # Figure + Agg canvas directly, not pyplot: no global backend switch, no display needed.
-    fig = Figure(figsize=(9, 6.5), constrained_layout=True)
-    FigureCanvasAgg(fig)
-    ax_loss, ax_dens = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
-    fig.suptitle(_run_label(run_dir))
-
-    if train:
-        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, alpha=0.8,
-                     color="tab:blue", label="train loss")
-        bad = [r["step"] for r in train if isinstance(r["loss"], float) and not math.isfinite(r["loss"])]
-        if bad:
-            # Non-finite losses leave a gap in the line; mark them so divergence is visible.
-            ax_loss.plot(bad, [1.0] * len(bad), "x", color="red", ms=7, clip_on=False,
-                         transform=ax_loss.get_xaxis_transform(), label=f"non-finite loss ({len(bad)})")
-    if evals:
-        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", ms=4, lw=1.5,
-                     color="tab:orange", label="eval loss")
-    ax_loss.set_ylabel("loss")
-    ax_loss.set_title("Loss")
-    ax_loss.grid(alpha=0.3)
-    if train or evals:
-        ax_loss.legend(loc="upper right")
-
-    if dens:
-        ax_dens.plot([r["step"] for r in dens], [r["density"] for r in dens], lw=1.5, color="tab:green",
-                     label="density")
-    else:
-        ax_dens.text(0.5, 0.5, "no density logged", ha="center", va="center", transform=ax_dens.transAxes)
-    if updates:
-        # Few updates: one faint line each. Many: short ticks along the bottom edge instead.
-        if len(updates) <= 60:
-            for i, s in enumerate(updates):
-                ax_dens.axvline(s, color="gray", lw=0.8, alpha=0.5, ls="--",
-                                label=f"mask update ({len(updates)})" if i == 0 else None)
-        else:
-            ax_dens.plot(updates, [0.0] * len(updates), "|", color="gray", ms=10,
-                         transform=ax_dens.get_xaxis_transform(), label=f"mask update ({len(updates)})")
-    ax_dens.set_xlabel("step")
-    ax_dens.set_ylabel("density of sparse layers")
-    ax_dens.set_title("Density")
-    ax_dens.grid(alpha=0.3)
-    if dens or updates:
-        ax_dens.legend(loc="upper right")
-
-    out = run_dir / CURVES_FILE
-    fig.savefig(out, dpi=110)
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# wandb through Accelerate's trackers
-# --------------------------------------------------------------------------------------------------
-def _uses_wandb(accelerator: Any) -> bool:
-    return any(str(getattr(t, "value", t)) == "wandb" or getattr(t, "name", None) == "wandb"
-               for t in getattr(accelerator, "log_with", None) or [])
-
-
-def init_tracking(
-    accelerator: Any,
-    project: str,
-    run_dir: str | os.PathLike,
-    config: dict,
-    mode: str = "offline",
-    name: str | None = None,
-    enabled: bool = True,
-) -> None:
-    """Start wandb tracking through Accelerate's trackers, writing under `run_dir/wandb/`.
-
-    The accelerator must come from `Accelerator(log_with="wandb", project_dir=run_dir)`. `mode` is
-    `"offline"` (default: works with no network and no API key; upload later with `wandb sync`),
-    `"online"` (needs a logged-in user) or `"disabled"`. wandb's own console messages are silenced and
-    its stdout/stderr capture is off, unless WANDB_SILENT / WANDB_CONSOLE are already set.
-    `enabled=False` does nothing.
-
-    Example:
-        >>> acc = Accelerator(log_with="wandb", project_dir="runs/demo")
-        >>> init_tracking(acc, "sparsetrain", "runs/demo", {"density": 0.1}, name="static-0.1")
-    """
-    if not enabled:
-        return
-    if mode not in WANDB_MODES:
-        raise ValueError(f"mode must be one of {WANDB_MODES}, got {mode!r}")
-    if not isinstance(project, str) or not project:
-        raise ValueError(f"project must be a non-empty string, got {project!r}")
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict (OmegaConf.to_container(cfg)), got {type(config).__name__}")
-    if not _uses_wandb(accelerator):
-        raise ValueError('accelerator was not created with log_with="wandb" (or pass enabled=False)')
-    try:
-        import wandb  # noqa: F401  (checked here so a missing install fails with a clear message)
-    except ImportError as e:
-        raise ImportError("tracking needs the wandb package (or pass enabled=False)") from e
-
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["WANDB_MODE"] = mode
-    os.environ["WANDB_DIR"] = str(run_dir)
-    os.environ.setdefault("WANDB_SILENT", "true")
-    # Console capture off: wandb otherwise wraps stdout/stderr, which fights tqdm and Hydra's logging.
-    os.environ.setdefault("WANDB_CONSOLE", "off")
-    init_kwargs = {"dir": str(run_dir), "name": name or run_dir.name, "mode": mode}
-    accelerator.init_trackers(project, config=_jsonable(config, "config"), init_kwargs={"wandb": init_kwargs})
-
-
-def log_tracking(accelerator: Any, row: dict, step: int) -> None:
-    """Send one metrics row to the trackers at `step`.
-
-    `step` and None values are dropped; an event row's keys are prefixed with the event name
-    (`{"event": "mask_update", "pruned": 8}` -> `mask_update/pruned`) so events get their own panels.
-
-    Example:
-        >>> log_tracking(acc, {"step": 10, "loss": 3.2, "lr": 1e-4}, step=10)
-    """
-    _check_step({"step": step})
-    if not getattr(accelerator, "trackers", None):
-        return
-    event = row.get("event")
-    prefix = f"{event}/" if isinstance(event, str) else ""
-    values = {}
-    for key, value in row.items():
-        if key in ("step", "event") or value is None:
-            continue
-        value = _jsonable(value, key)
-        if isinstance(value, str) and value in _STR_TO_NONFINITE:
-            value = _STR_TO_NONFINITE[value]  # wandb plots NaN as a gap: keep the float
-        values[prefix + key] = value
-    if values:
-        accelerator.log(values, step=step)
-
-
-def end_tracking(accelerator: Any) -> None:
-    """Finish every tracker (flushes wandb's offline run files) and forget them.
-
-    Trackers are removed from `accelerator.trackers`, so a later `accelerator.end_training()` does not
-    finish them a second time.
-    """
-    trackers = list(getattr(accelerator, "trackers", None) or [])
-    for tracker in trackers:
-        tracker.finish()
-    if trackers:
-        accelerator.trackers.clear()
-    if any(getattr(t, "name", "") == "wandb" for t in trackers):
-        import wandb
-
-        # run.finish() only informs wandb's service process, which writes the rest of the offline run file on its
-        # own time (a full test run once read a file holding just its header); teardown waits until it is done.
-        wandb.teardown()
+def window_rate(run_dir: str | os.PathLike, key: str) -> float | None:
+    """Median of ``key`` (a throughput) over the logged rows: robust to the first, warm-up window."""
+    vals = sorted(r[key] for r in read_metrics(run_dir) if key in r)
+    return vals[len(vals) // 2] if vals else None

@@ -1,0 +1,55 @@
+"""The training loop driven by plain arguments (no config): it applies the run's kernel options for the run and
+restores them, calls the sparsity hook once per optimizer step and writes its rows and summary."""
+from types import SimpleNamespace
+
+import torch
+
+from sparsetrain.data.mlm import MLMCollator, PackedSequences
+from sparsetrain.kernels import KernelOptions, kernel_options
+from sparsetrain.models.builders import build_model
+from sparsetrain.nn import DEFAULT_EXCLUDE
+from sparsetrain.sparsity.layout import Block
+from sparsetrain.sparsity.schedulers import Static
+from sparsetrain.training.loop import train
+from sparsetrain.training.metrics import read_metrics
+from sparsetrain.training.setup import RunSpec, TrainArgs, optimizer_factory
+
+
+def _tiny_mlm_data(vocab: int = 64, seq_len: int = 16):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab, (48, seq_len), generator=g)
+    ids[:, 0], ids[:, -1] = 2, 3
+    collator = MLMCollator(mask_token_id=4, vocab_size=vocab, special_ids=[0, 1, 2, 3, 4])
+    return SimpleNamespace(train=PackedSequences(ids[:40]), eval=PackedSequences(ids[40:]), collator=collator,
+                           vocab_size=vocab, seq_len=seq_len)
+
+
+def test_train_from_plain_arguments_runs_under_its_kernel_options(tmp_path):
+    scheduler = Static()
+    seen = []
+    step = scheduler.step
+
+    def step_and_record(n):
+        seen.append((n, kernel_options()))
+        return step(n)
+
+    scheduler.step = step_and_record
+    args = TrainArgs(max_steps=3, batch_size=4, eval_every=3, eval_batches=1, log_every=1, device="cpu",
+                     progress=False, plot=False, recipe="plain", kernels=KernelOptions(dense_fallback=False))
+    spec = RunSpec(
+        build_model=lambda: build_model("bert", "tiny", vocab_size=64, seq_len=16, num_hidden_layers=1),
+        build_data=_tiny_mlm_data,
+        build_optimizer=optimizer_factory(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
+        scheduler=scheduler,
+        sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
+                             density_overrides=None, block=Block(16, 16), format="masked", init="random", seed=0),
+        train_args=args, method="static", block_label="16",
+    )
+    before = kernel_options()
+    summary = train(spec, tmp_path / "run")
+    assert [n for n, _ in seen] == [1, 2, 3]
+    assert all(opts == KernelOptions(dense_fallback=False) for _, opts in seen)   # in force during the run
+    assert kernel_options() == before                                             # and restored after it
+    assert summary["steps"] == 3 and summary["block"] == "16" and summary["density"] == 0.5
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
