@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # End-to-end training throughput on a GPU, through the real CLI: BERT-base MLM dense vs 90%-sparse 16x16
 # (static and dynamic, block-sparse kernels), same batch, same steps, one machine, one run.
-#   bash scripts/gpu_e2e.sh [STEPS] [OUT_DIR]
+#   bash scripts/gpu_e2e.sh [STEPS] [OUT_DIR] [OVERRIDES...]
+#   bash scripts/gpu_e2e.sh 60 out trainer.kernels.dense_fallback=false   # kernel options are config (trainer.kernels.*)
 #   COMPILE=reduce-overhead bash scripts/gpu_e2e.sh ...   # every run with trainer.compile=true in that mode
 #   RUNS="dense static_b64_block" bash scripts/gpu_e2e.sh ...  # a subset of the runs
 # Needs hydra-core/omegaconf importable and the Shakespeare corpus in $SPARSETRAIN_CACHE (or network).
 set -uo pipefail
 STEPS=${1:-60}
 OUT=${2:-gpu_e2e}
+shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$OUT"
 common=(trainer=gpu "trainer.max_steps=$STEPS" trainer.batch_size=64 trainer.grad_accum=1 trainer.eval_every=0
         trainer.log_every=10 trainer.checkpoint_every=0 trainer.num_workers=0 logger=quiet data.seq_len=128
         optim.warmup_steps=10)
 if [ -n "${COMPILE:-}" ]; then common+=(trainer.compile=true "trainer.compile_mode=$COMPILE"); fi
+common+=("$@")
 RUNS=${RUNS:-"dense static_b16_block static_b64_block static_b16_masked dynamic_b16_block"}
 run() {  # NAME RECIPE [overrides...]
   local name=$1 recipe=$2; shift 2
