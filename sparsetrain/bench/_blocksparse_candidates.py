@@ -3,6 +3,8 @@ the three products, each checked against the fp32 reference and timed alone besi
 chooses among; a new backend shows here first)."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sparsetrain.bench._blocksparse_common import DEV, ints, make_mask, rel, shapes
@@ -55,7 +57,7 @@ def sec_candidates(args, out: dict, rep) -> dict:
                     for r in ok:
                         if r["backend"] not in best or r["ms"] < best[r["backend"]]["ms"]:
                             best[r["backend"]] = r
-                    worst = max((r["err"] for r in ok), default=float("nan"))
+                    worst = max((1.0 if math.isnan(r["err"]) else r["err"] for r in ok), default=float("nan"))
                     rep.say(f"cand {I}x{O} b{b} d{d} {kind}: dense {dense[kind]:.3f} | " + " | ".join(
                         f"{n} {r['ms']:.3f} ms ({r['vs_dense']:.2f}x) {r['cfg']}" for n, r in best.items())
                         + f" | worst err {worst:.1e}" + ("" if worst < 1e-2 else "  FAIL"))

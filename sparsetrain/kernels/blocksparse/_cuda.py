@@ -29,8 +29,6 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 BLOCKS = (16, 32)
 
 
-
-
 class CudaDdsConfig(NamedTuple):
     """A tile of the CUDA kernel: ``mt`` x 16 token rows per CTA, output blocks cut into ``splits`` CTA ranges
     (each re-reads the token tile); ``half``: half the warps per CTA (less shared memory beside the token
@@ -69,7 +67,6 @@ def candidates(a: Tensor, block: int, k: int) -> list[CudaDdsConfig]:
         return []
     limit = smem_optin(a.device)
     return [c for c in CANDIDATES if 0 < so.sparsetrain_bs_dds_smem(block, c.mt, c.half, k) <= limit]
-
 
 
 class CudaDdsPlan:
@@ -148,8 +145,6 @@ def ks_candidates(a: Tensor, block: int, k: int) -> list[CudaKsConfig]:
     return [c for c in KS_CANDIDATES if 0 < _ks_shape(so, c.ob)[3] <= smem_optin(a.device)]
 
 
-
-
 class CudaKsPlan:
     """One launch of ``bs_dds_ks`` (called like the other dense x block-sparse plans)."""
 
@@ -192,7 +187,6 @@ def _dw_lib(device: torch.device):
     from sparsetrain.kernels._runtime import cuda_build as _cuda
 
     return _cuda.load(CSRC / "bs_dw.cu", device)
-
 
 
 def _dw_cap(so) -> int:

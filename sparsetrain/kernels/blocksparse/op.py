@@ -33,7 +33,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class BlockSparseLinearFn(torch.autograd.Function):
-    """``y = x2d · W_effᵀ + bias`` on the Triton kernels. ``dense_grad_hook`` (or None): when given, the
+    """``y = x2d · W_effᵀ + bias`` on the tuned kernels. ``dense_grad_hook`` (or None): when given, the
     backward computes the full dense ``dW = dYᵀ·X`` with one dense matmul, passes it (float32, ``[O, I]``)
     to the hook, and takes the block gradient from it instead of running the sampled kernel."""
 
@@ -204,7 +204,7 @@ def _autocast_dtype(device_type: str) -> torch.dtype | None:
 
 
 def uses_kernels(x: Tensor, meta: BlockSparseMeta) -> bool:
-    """True when :func:`block_sparse_linear` runs the Triton kernels for this input."""
+    """True when :func:`block_sparse_linear` runs the kernels (not the plain-torch reference) for this input."""
     return (meta.kernel_supported and (x.is_cuda or interpreting()) and x.dtype in _KERNEL_DTYPES
             and meta.out_features * meta.in_features < 2**31)  # block offsets are int32 in the kernels
 
