@@ -64,7 +64,8 @@ class WeightFormat:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        cls.name = f"{cls.__module__}.{cls.__qualname__}"  # register_format replaces it by the short name
+        if "name" not in cls.__dict__:  # register_format replaces it by the short name
+            cls.name = f"{cls.__module__}.{cls.__qualname__}"
 
     def setup(self, layer: SparseLinear, weight: Tensor, mask: Tensor) -> None:
         raise NotImplementedError
