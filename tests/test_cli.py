@@ -219,24 +219,3 @@ def test_trainer_compile_runs_and_matches_eager_closely(tmp_path):
     for a, b in zip(compiled, eager):
         assert abs(a["loss"] - b["loss"]) < 0.05
     assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["status"] == "finished"
-
-
-def _script(name: str):
-    """scripts/<name>.py loaded as a module (the scripts are not a package)."""
-    import importlib.util
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "scripts", f"{name}.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _run_main(mod, argv: list[str]) -> None:
-    """``mod.main()`` with ``sys.argv`` set to ``argv`` (and restored after)."""
-    old = sys.argv
-    sys.argv = [mod.__name__ + ".py", *argv]
-    try:
-        mod.main()
-    finally:
-        sys.argv = old
