@@ -219,3 +219,13 @@ def test_trainer_compile_runs_and_matches_eager_closely(tmp_path):
     for a, b in zip(compiled, eager):
         assert abs(a["loss"] - b["loss"]) < 0.05
     assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["status"] == "finished"
+
+
+def test_bench_without_a_known_name_prints_the_benchmarks(capsys):
+    from sparsetrain.bench import BENCHES
+    from sparsetrain.cli import main
+
+    for argv in (["bench"], ["bench", "nope"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "usage: sparsetrain bench" in err and all(name in err for name in BENCHES)
