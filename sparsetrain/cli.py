@@ -106,7 +106,7 @@ def cmd_flops(argv: Sequence[str]) -> int:
     report = flops.count_step_flops(model, batch_size=global_batch, seq_len=seq, image_size=img)
     print(f"recipe: {cfg.recipe_info.name}   method: {spec.method}   steps: {t.max_steps}")
     print(report.format_table())
-    frac = getattr(spec.scheduler, "sparse_fraction", 1.0)  # sparse-then-dense: dense after the 2:4 phase
+    frac = spec.scheduler.sparse_fraction  # sparse-then-dense: dense after the 2:4 phase
     total_dense = report.dense_total * t.max_steps
     total_sparse = (report.sparse_total * frac + report.dense_total * (1 - frac)) * t.max_steps
     print(f"\ntraining total ({t.max_steps} steps): dense {total_dense:.3e}  sparse {total_sparse:.3e}  "

@@ -107,7 +107,8 @@ def _density(name: str, module: nn.Module) -> float:
     density = float(getattr(module, "density", 1.0))
     if not 0.0 < density <= 1.0:
         raise ValueError(f"layer {name!r} has density {density}; expected a value in (0, 1]")
-    if getattr(getattr(module, "storage", None), "straight_through", False):
+    caps = getattr(module, "caps", None)  # a SparseLinear's format capabilities (sparsetrain.sparsity.FormatCaps)
+    if caps is not None and caps.straight_through:
         # 10. Straight-through (2:4 sparse-then-dense) layers compute Y and dX with the sparse weight but dW
         #     densely (the dense master weight is trained): 2*T*I*O*(2*d + 1) per step, i.e. an effective
         #     density of (2*d + 1) / 3 in the 3*2*T*I*O formula.

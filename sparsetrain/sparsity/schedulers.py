@@ -46,6 +46,8 @@ class SparsityScheduler:
     # The masks (hence the block format's index tensors) never change after attach: a run may be CUDA-graphed
     # (trainer.compile_mode=reduce-overhead), whose graphs keep the tensors' addresses.
     static_topology: bool = False
+    #: Fraction of the training steps the model is sparse (sparse-then-dense: its sparse phase); FLOP totals use it
+    sparse_fraction: float = 1.0
     name: str = "base"
 
     def __init__(self, seed: int = 0) -> None:

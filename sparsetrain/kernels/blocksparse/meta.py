@@ -19,12 +19,32 @@ derived from it (entry lists, CUDA tables, launch plans) is cached on it and dro
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch import Tensor
 
-from sparsetrain.sparsity.layout import Block
+
+class BlockShape(Protocol):
+    rows: int
+    cols: int
+
+
+def block_shape(block: int | tuple[int, int] | BlockShape) -> tuple[int, int]:
+    """``(rows, cols)`` of a block given as an edge, a pair, or an object with ``rows``/``cols``. The kernels
+    know no layout type of the layers above them: any of these spellings will do."""
+    if hasattr(block, "rows") and hasattr(block, "cols"):
+        shape = (block.rows, block.cols)
+    elif isinstance(block, int):
+        shape = (block, block)
+    elif isinstance(block, (tuple, list)) and len(block) == 2:
+        shape = tuple(block)
+    else:
+        raise ValueError(f"block must be an int, a (rows, cols) pair or a Block, got {block!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape):
+        raise ValueError(f"block edges must be positive ints, got {block!r}")
+    return int(shape[0]), int(shape[1])
+
 
 #: Square block edges the kernels take; other blocks (1, 4, 8, rectangular) run the plain-torch reference.
 KERNEL_BLOCKS = (16, 32, 64, 128)
@@ -50,13 +70,14 @@ class BlockSparseMeta:
     TENSORS: ClassVar[tuple[str, ...]] = ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_row_idx", "t_slot")
 
     @classmethod
-    def from_mask(cls, mask: Tensor, block: Block | int | str | tuple[int, int]) -> BlockSparseMeta:
-        """Build the metadata from a bool block mask ``[O/br, I/bc]`` (on the mask's device)."""
+    def from_mask(cls, mask: Tensor, block: int | tuple[int, int] | BlockShape) -> BlockSparseMeta:
+        """Build the metadata from a bool block mask ``[O/br, I/bc]`` (on the mask's device). ``block`` is an
+        edge, a ``(rows, cols)`` pair, or anything with ``rows`` and ``cols`` (``sparsetrain.sparsity.Block``)."""
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
         if mask.dim() != 2:
             raise ValueError(f"mask must be a 2-D block grid, got shape {tuple(mask.shape)}")
-        blk = Block.parse(block)
+        br, bc = block_shape(block)
         R, C = mask.shape
         dev = mask.device
         rows, cols = mask.nonzero(as_tuple=True)  # row-major order = slot order
@@ -69,7 +90,7 @@ class BlockSparseMeta:
         slot_of[rows, cols] = torch.arange(n, device=dev)
         t_cols, t_rows = mask.t().nonzero(as_tuple=True)  # column-major order: per column, rows ascending
         i32 = torch.int32
-        return cls(R * blk.rows, C * blk.cols, blk.rows, blk.cols, n,
+        return cls(R * br, C * bc, br, bc, n,
                    row_ptr.to(i32), cols.to(i32), rows.to(i32),
                    col_ptr.to(i32), t_rows.to(i32), slot_of[t_rows, t_cols].to(i32))
 

@@ -35,15 +35,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from sparsetrain.sparsity.protocol import FormatCaps
-
-if TYPE_CHECKING:  # pragma: no cover
-    from sparsetrain.nn.sparse_linear import SparseLinear
 
 __all__ = ["FORMATS", "FormatCaps", "WeightFormat", "get_format", "known_formats", "register_format",
            "resolve_format", "zero_optimizer_state"]
@@ -67,30 +64,30 @@ class WeightFormat:
         if "name" not in cls.__dict__:  # register_format replaces it by the short name
             cls.name = f"{cls.__module__}.{cls.__qualname__}"
 
-    def setup(self, layer: SparseLinear, weight: Tensor, mask: Tensor) -> None:
+    def setup(self, layer: nn.Module, weight: Tensor, mask: Tensor) -> None:
         raise NotImplementedError
 
-    def forward(self, layer: SparseLinear, x: Tensor) -> Tensor:
+    def forward(self, layer: nn.Module, x: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def dense_weight(self, layer: SparseLinear) -> Tensor:
+    def dense_weight(self, layer: nn.Module) -> Tensor:
         raise NotImplementedError
 
-    def state_weight(self, layer: SparseLinear) -> Tensor:
+    def state_weight(self, layer: nn.Module) -> Tensor:
         return self.dense_weight(layer)
 
-    def load(self, layer: SparseLinear, weight: Tensor, mask: Tensor) -> None:
+    def load(self, layer: nn.Module, weight: Tensor, mask: Tensor) -> None:
         raise NotImplementedError
 
-    def set_mask(self, layer: SparseLinear, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None
+    def set_mask(self, layer: nn.Module, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None
                  ) -> None:
         raise NotImplementedError
 
-    def weight_parameter(self, layer: SparseLinear) -> nn.Parameter:
+    def weight_parameter(self, layer: nn.Module) -> nn.Parameter:
         raise NotImplementedError
 
     @classmethod
-    def plan_kernels(cls, layers: dict[str, SparseLinear], tokens: int) -> list[dict]:
+    def plan_kernels(cls, layers: dict[str, nn.Module], tokens: int) -> list[dict]:
         """Choose kernels for these layers (all of this format) at ``tokens`` rows per step; one record per
         layer for the run log. Default: nothing to plan."""
         return []
