@@ -34,7 +34,7 @@ _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent fro
 def raw_stream(device: torch.device) -> int:
     """The current CUDA stream of ``device`` as the integer handle the kernel launchers pass. Read directly, not
     through a ``torch.cuda.Stream`` object: ``torch.cuda.current_stream`` was ~2% of a block-sparse BERT-base
-    step's host profile (1080 calls in 5 steps, docs/blocksparse.md round 8)."""
+    step's host profile (1080 calls in 5 steps; docs/history/blocksparse.md)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if _RAW_STREAM is not None:
         return _RAW_STREAM(idx)
