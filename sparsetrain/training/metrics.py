@@ -25,8 +25,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -79,13 +79,31 @@ def _decode_row(row: dict) -> dict:
     return {k: NONFINITE_MARKERS.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temp file in the same folder and `os.replace`.
+def _create_temp_beside(path: Path) -> tuple[int, Path]:
+    """Open a new, uniquely named temp file next to `path`, created with mode 0666 minus the umask.
+
+    Not `tempfile.mkstemp`: it creates files 0600, and `os.replace` keeps the temp file's mode, so a
+    summary would end up unreadable to the group and others whatever the user's umask says.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"could not create a temp file next to {path}")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through a temp file in the same folder, fsync and `os.replace`.
 
     Readers (a plot, the Pareto tool, a resumed run) never see a half-written file, even if the
-    process is killed mid-write.
+    process is killed mid-write; the file gets the mode a plain `open(path, "w")` would give it
+    (0644 under umask 022).
     """
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    path = Path(path)
+    fd, tmp = _create_temp_beside(path)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -96,6 +114,21 @@ def _atomic_write_text(path: Path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def check_row(row: Any) -> None:
@@ -175,7 +208,7 @@ class MetricsLogger:
             if isinstance(row_step, (int, float)) and row_step > step:
                 continue
             kept.append(line if line.endswith("\n") else line + "\n")
-        _atomic_write_text(path, "".join(kept))
+        atomic_write_text(path, "".join(kept))
         return len(kept)
 
 
@@ -285,7 +318,7 @@ def write_summary(run_dir: str | os.PathLike, **fields: Any) -> Path:
     path = Path(run_dir) / SUMMARY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     encoded = {k: json_value(v, k) for k, v in fields.items()}
-    _atomic_write_text(path, json.dumps(encoded, indent=2, allow_nan=False) + "\n")
+    atomic_write_text(path, json.dumps(encoded, indent=2, allow_nan=False) + "\n")
     return path
 
 

@@ -128,3 +128,26 @@ def test_window_rate_is_the_median_of_logged_rates(tmp_path):
             log.log({"step": step, "tokens_per_s": rate})
     assert window_rate(tmp_path, "tokens_per_s") == 30.0
     assert window_rate(tmp_path, "samples_per_s") is None
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test (restored after it)."""
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+def test_written_files_respect_the_umask(tmp_path, umask, mask):
+    """summary.json and a rewritten metrics.jsonl get 0666 minus the umask (0644 under 022), like a plain
+    open(); the temp file of the atomic write (mkstemp: 0600) must not leak its mode into them."""
+    umask(mask)
+    write_summary(tmp_path, status="finished", method="static")
+    with MetricsLogger(tmp_path) as log:
+        log.log({"step": 1, "loss": 1.0})
+        log.log({"step": 2, "loss": 0.5})
+    MetricsLogger.truncate_after(tmp_path, 1)
+    for name in ("summary.json", "metrics.jsonl"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "summary.json"]  # no temp file left behind
