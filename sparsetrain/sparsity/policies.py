@@ -12,6 +12,10 @@ weights and their optimizer moments, and counts FLOPs. A custom policy overrides
 
 and is selected from YAML with ``sparsity.scheduler.policy._target_: my_pkg.GradEMA``.
 Scores are per element (summed per block by the framework) or per block.
+
+Labels: a run's method is ``prune_regrow/<policy.name>`` in summaries and Pareto tables. The built-ins are
+``random`` (SET), ``gradient`` (RigL) and ``magnitude``; any other class is named by its class name
+(``prune_regrow/GradEMA``), so a subclass is never mistaken for its parent, unless it sets ``name`` itself.
 """
 from __future__ import annotations
 
@@ -31,6 +35,14 @@ class Policy:
     generator: torch.Generator | None = None
     #: fully-qualified name of the layer being scored, set by the scheduler before each call.
     layer: str | None = None
+    #: the label of runs using this policy (``prune_regrow/<name>``): a subclass that does not set it in its
+    #: own body gets its class name (see __init_subclass__), never its parent's label.
+    name: str = "policy"
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            cls.name = cls.__name__
 
     def drop_scores(self, weight: Tensor, grad: Tensor | None, mask: Tensor) -> Tensor:
         """Higher = more worth keeping. Default: magnitude (block L1 norm)."""
@@ -39,10 +51,6 @@ class Policy:
     def grow_scores(self, weight: Tensor, grad: Tensor | None, mask: Tensor) -> Tensor:
         """Higher = grown first."""
         raise NotImplementedError(f"{type(self).__name__} does not grow weights")
-
-    @property
-    def name(self) -> str:
-        return type(self).__name__.lower()
 
     def state_dict(self) -> dict:
         return {}
@@ -54,29 +62,26 @@ class Policy:
 class Magnitude(Policy):
     """Prune by magnitude only (gradual magnitude pruning)."""
 
+    name = "magnitude"
+
 
 class SET(Policy):
     """Magnitude prune + random regrow (Mocanu et al. 2018; Graphcore's dynamic sparse BERT)."""
 
+    name = "random"
+
     def grow_scores(self, weight, grad, mask):
         return criteria.random(mask.shape, self.generator)
-
-    @property
-    def name(self) -> str:
-        return "random"
 
 
 class RigL(SET):
     """Magnitude prune + regrow where the dense gradient is largest (Evci et al. 2020)."""
 
     needs_grad = True
+    name = "gradient"
 
     def grow_scores(self, weight, grad, mask):
         return criteria.gradient(grad)
-
-    @property
-    def name(self) -> str:
-        return "gradient"
 
 
 POLICIES = {"set": SET, "random": SET, "rigl": RigL, "gradient": RigL, "magnitude": Magnitude}
