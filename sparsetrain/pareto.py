@@ -9,8 +9,11 @@ Where each number comes from, per run:
   seconds from the summary; the final eval loss from the summary, else from the last eval row;
 - unfinished runs (no summary): the point is the last eval row of `metrics.jsonl` (its `eval_loss`,
   `train_flops` and `elapsed_s`), so loss and cost are measured at the same step; the method and
-  density fall back to `.hydra/config.yaml` and to the last logged density. An unfinished run with no
-  eval row is listed in the table but not plotted.
+  density fall back to the run's `config.yaml` (or `.hydra/config.yaml` of older runs) and to the last
+  logged density. An unfinished run with no eval row is listed in the table but not plotted.
+- labels: the summary's `method`, e.g. `prune_regrow/random` (SET), `prune_regrow/gradient` (RigL),
+  `prune_regrow/GradEMA` (a user's policy class). Summaries written before policies were labelled by
+  class gave a RigL/SET subclass its parent's label; for those the config's policy class is used.
 
 Example:
     >>> runs = collect_runs(["multirun/2026-11-21/10-00-00", "runs/dense"])
@@ -88,17 +91,22 @@ def _find_run_dirs(path: Path, depth: int = 3) -> list[Path]:
     return found
 
 
-def _hydra_config(run_dir: Path) -> dict:
-    path = run_dir / ".hydra" / "config.yaml"
-    if not path.is_file():
-        return {}
-    import yaml  # PyYAML comes with omegaconf; only needed for this fallback
+def _run_config(run_dir: Path) -> dict:
+    """The run's resolved config: `config.yaml` (written by sparsetrain), else `.hydra/config.yaml` (runs
+    written before sparsetrain wrote its own); `{}` when neither parses. Read with `yaml.safe_load`: plain
+    data, nothing executed."""
+    import yaml  # PyYAML comes with omegaconf; only needed for the fallbacks
 
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError:
-        return {}
-    return data if isinstance(data, dict) else {}
+    for path in (run_dir / "config.yaml", run_dir / ".hydra" / "config.yaml"):
+        if not path.is_file():
+            continue
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError:
+            continue
+        if isinstance(data, dict):
+            return data
+    return {}
 
 
 def _config_get(config: dict, *keys: str) -> object:
@@ -110,17 +118,56 @@ def _config_get(config: dict, *keys: str) -> object:
     return node
 
 
+def _class_label(target: str, module: str) -> str:
+    """The `name` of a sparsetrain class given by its `_target_`, or the class name of any other (whose module
+    is never imported here: a label needs no user code)."""
+    import importlib
+
+    cls_name = target.rsplit(".", 1)[-1]
+    label = getattr(getattr(importlib.import_module(module), cls_name, None), "name", None)
+    return label if target.startswith("sparsetrain.") and isinstance(label, str) else cls_name
+
+
+def _method_from_scheduler(config: dict) -> str | None:
+    """`describe()` of the scheduler the config builds, worked out without building it: `prune_regrow/<policy
+    label>` (built-ins `random`, `gradient`; any other policy class by its class name) or the scheduler's name."""
+    target = _config_get(config, "sparsity", "scheduler", "_target_")
+    if not isinstance(target, str) or not target:
+        return None
+    if target.rsplit(".", 1)[-1] != "PruneRegrow":
+        return _class_label(target, "sparsetrain.sparsity.schedulers")
+    policy = _config_get(config, "sparsity", "scheduler", "policy")
+    if isinstance(policy, dict) and isinstance(policy.get("_target_"), str):
+        return "prune_regrow/" + _class_label(policy["_target_"], "sparsetrain.sparsity.policies")
+    from sparsetrain.sparsity.policies import POLICIES
+
+    name = "set" if policy is None else str(policy)  # PruneRegrow's default policy
+    return f"prune_regrow/{POLICIES[name].name}" if name in POLICIES else f"prune_regrow/{name}"
+
+
 def _method_from_config(config: dict) -> str | None:
     """Best-effort label for a run without summary.json (the summary's `method` is authoritative)."""
+    method = _method_from_scheduler(config)
     for keys in (("method",), ("sparsity", "method"), ("sparsity", "name")):
         value = _config_get(config, *keys)
-        if isinstance(value, str) and value:
-            return value
-    for keys in (("sparsity", "policy", "_target_"), ("sparsity", "_target_")):
+        method = method or (value if isinstance(value, str) and value else None)
+    for keys in (("sparsity", "policy", "_target_"), ("sparsity", "_target_")):  # configs of older runs
         value = _config_get(config, *keys)
-        if isinstance(value, str) and value:
-            return value.rsplit(".", 1)[-1]
-    return None
+        method = method or (value.rsplit(".", 1)[-1] if isinstance(value, str) and value else None)
+    return method
+
+
+# Summaries written before policies were labelled by class called every RigL or SET subclass by its parent's
+# label; for those runs the config tells the policy's class.
+_PARENT_LABELS = ("prune_regrow/gradient", "prune_regrow/random")
+
+
+def _method(summary: dict | None, config: dict) -> str:
+    method = summary.get("method") if summary else None
+    if method in _PARENT_LABELS:
+        from_config = _method_from_scheduler(config) or ""
+        return from_config if from_config.startswith("prune_regrow/") else method
+    return str(method or _method_from_config(config) or "unknown")
 
 
 def _number(value: object) -> float | None:
@@ -145,7 +192,7 @@ def read_run(run_dir: str | os.PathLike) -> RunResult:
     rows = read_metrics(run_dir)
     evals = [r for r in rows if _number(r.get("eval_loss")) is not None and "event" not in r]
     steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
-    config = _hydra_config(run_dir) if summary is None or not summary.get("method") else {}
+    config = _run_config(run_dir) if not summary or summary.get("method") in (None, "", *_PARENT_LABELS) else {}
 
     def pick(summary_key: str, fallback: object) -> object:
         value = summary.get(summary_key) if summary else None
@@ -171,7 +218,7 @@ def read_run(run_dir: str | os.PathLike) -> RunResult:
     run_steps = pick("steps", max(steps) if steps else None)
     return RunResult(
         path=run_dir,
-        method=str(pick("method", None) or _method_from_config(config) or "unknown"),
+        method=_method(summary, config),
         density=_number(density),
         block=None if block is None else str(block),
         final_eval_loss=_number(loss),

@@ -162,3 +162,38 @@ def test_main(runs_tree, monkeypatch, capsys):
     assert main(["runs/early", "--out", "x.png"]) == 1 and not (root / "x.png").exists()
     assert main(["nowhere"]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+_SCHED = "sparsity:\n  density: 0.1\n  scheduler:\n    _target_: sparsetrain.sparsity.{sched}\n{policy}"
+
+
+def _config(sched="PruneRegrow", policy_target=None):
+    policy = f"    policy:\n      _target_: {policy_target}\n" if policy_target else ""
+    return _SCHED.format(sched=sched, policy=policy)
+
+
+def test_labels_old_and_new_summaries_and_unfinished_runs(tmp_path):
+    """Finished runs keep their summary's label, except the parent label that summaries written before
+    class labels gave a user's RigL/SET subclass; unfinished runs are labelled from the run's config.yaml the
+    way the scheduler would describe itself."""
+    rng = random.Random(7)
+    runs = {  # name: (summary method or None when unfinished, config.yaml, expected label)
+        "new_user": ("prune_regrow/GradEMA", _config(policy_target="my_policies.GradEMA"), "prune_regrow/GradEMA"),
+        "old_user": ("prune_regrow/gradient", _config(policy_target="my_policies.GradEMA"), "prune_regrow/GradEMA"),
+        "old_rigl": ("prune_regrow/gradient", _config(policy_target="sparsetrain.sparsity.RigL"),
+                     "prune_regrow/gradient"),
+        "old_set_no_config": ("prune_regrow/random", None, "prune_regrow/random"),
+        "static": ("static", _config("Static"), "static"),
+        "open_set": (None, _config(policy_target="sparsetrain.sparsity.SET"), "prune_regrow/random"),
+        "open_rigl": (None, _config(policy_target="sparsetrain.sparsity.RigL"), "prune_regrow/gradient"),
+        "open_user": (None, _config(policy_target="my_policies.GradEMA"), "prune_regrow/GradEMA"),
+        "open_default_policy": (None, _config(), "prune_regrow/random"),
+        "open_gradual": (None, _config("GradualMagnitude"), "gradual_magnitude"),
+    }
+    for name, (method, config, _) in runs.items():
+        _make_run(tmp_path / name, method or "unused", 0.1, rng, finished=method is not None)
+        if config is not None:
+            (tmp_path / name / "config.yaml").write_text(config)
+    labels = {r.path.name: r.method for r in collect_runs([tmp_path])}
+    assert labels == {name: label for name, (_, _, label) in runs.items()}
+    assert "my_policies" not in __import__("sys").modules  # a label never imports the user's module
