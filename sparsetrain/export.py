@@ -1,16 +1,37 @@
 """``sparsetrain export RUN_DIR --format hf|sparse --out DIR``: a trained run as a deployable model.
 
 ``hf``: a transformers checkpoint with zeros (``from_pretrained`` loads it). ``sparse``: a compressed
-inference checkpoint (bitmap + packed values, see :mod:`sparsetrain.inference`).
+inference checkpoint (bitmap + packed values, see :mod:`sparsetrain.inference`). Both folders also hold what
+turns raw inputs into model inputs, rebuilt from the run's ``config.yaml`` by the data package itself: the
+run's tokenizer (text: the WordPiece trained on the run's text, from the data cache) or an image processor
+(images: the resize and normalisation the training data used). So an ``hf`` export works as is::
+
+    fill = pipeline("fill-mask", model="runs/quickstart/DATE/export-hf")
+
+and a ``sparse`` export loads through :func:`sparsetrain.inference.load_sparse` with a model of its class::
+
+    config = AutoConfig.from_pretrained(out)
+    model = load_sparse(lambda: AutoModelForMaskedLM.from_config(config), out).eval()
+    fill = pipeline("fill-mask", model=model, tokenizer=AutoTokenizer.from_pretrained(out))
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+
+def _run_config(run_dir: str | Path):
+    from omegaconf import OmegaConf
+
+    cfg_path = Path(run_dir) / "config.yaml"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a sparsetrain run directory (no config.yaml)")
+    return OmegaConf.load(cfg_path)
 
 
 def load_trained_model(run_dir: str | Path, checkpoint: str | Path | None = None) -> nn.Module:
@@ -23,10 +44,7 @@ def load_trained_model(run_dir: str | Path, checkpoint: str | Path | None = None
     from sparsetrain.training.checkpoint import list_checkpoints
 
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a sparsetrain run directory (no config.yaml)")
-    cfg = OmegaConf.load(cfg_path)
+    cfg = _run_config(run_dir)
     ckpt = Path(checkpoint) if checkpoint else (list_checkpoints(run_dir / "checkpoints") or [None])[-1]
     if ckpt is None or not (ckpt / "pytorch_model.bin").is_file():
         raise FileNotFoundError(f"no finished checkpoint under {run_dir / 'checkpoints'}")
@@ -50,6 +68,62 @@ def load_trained_model(run_dir: str | Path, checkpoint: str | Path | None = None
     return model.eval()
 
 
+def load_preprocessor(run_dir: str | Path, model: nn.Module | None = None) -> Any | None:
+    """The run's tokenizer (``sparsetrain.data.build_mlm_data``) or image processor (``build_image_data``),
+    rebuilt from its ``config.yaml``; None for data it cannot describe (synthetic images, a user's builder).
+
+    The tokenizer is the data builder's own: a WordPiece run reads it from the data cache, where the packed
+    training ids are stored together with the tokenizer that produced them. Given the trained ``model``, a
+    tokenizer with more tokens than the model's vocabulary (the cache was rebuilt from other text) is refused.
+
+    Example:
+        >>> load_preprocessor("runs/quickstart/2026-11-25_10-00-00").tokenize("To be, or not")
+        ['to', 'be', ',', 'or', 'not']
+    """
+    from sparsetrain.config import data_builder
+
+    cfg = _run_config(run_dir)
+    target = str(cfg.data._target_)
+    if "build_mlm_data" in target:  # the test config.model_builder uses for "this is MLM text"
+        tokenizer = data_builder(cfg)().tokenizer
+        vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+        if vocab is not None and len(tokenizer) > vocab:
+            raise RuntimeError(f"data.tokenizer: the tokenizer rebuilt from the run's data has {len(tokenizer)} "
+                               f"tokens, the trained model {vocab}: the data cache no longer holds the run's "
+                               "tokenizer")
+        return tokenizer
+    if "build_image_data" in target:
+        return _image_processor(cfg, model)
+    return None
+
+
+def _image_processor(cfg, model: nn.Module | None):
+    """A ViT image processor doing what ``sparsetrain.data.build_image_data`` does to an image: bilinear resize
+    to ``data.image_size``, pixels scaled to [0, 1], then normalised (digits: the training split's mean/std
+    that the data builder fits; image folders and hub sets: mean 0.5, std 0.5)."""
+    import transformers
+    from transformers.image_utils import PILImageResampling
+
+    from sparsetrain.config import data_builder
+
+    data = cfg.data
+    source = str(data.get("source", "digits"))
+    if source == "synthetic":  # noise images: there is no transform to reproduce
+        return None
+    channels = int(getattr(getattr(model, "config", None), "num_channels", data.get("num_channels", 3)))
+    mean, std = 0.5, 0.5
+    if source == "digits":  # 8x8 digits in [0, 1] (x/16) like an 8-bit image's pixels x/255
+        train = data_builder(cfg)().train
+        mean, std = float(train.mean), float(train.std)
+    size = int(data.image_size)
+    # transformers >= 5 names the PIL-backed processor apart (the default one needs torchvision); both save
+    # the same preprocessor_config.json, which AutoImageProcessor reads either way.
+    cls = getattr(transformers, "ViTImageProcessorPil", None) or transformers.ViTImageProcessor
+    return cls(do_resize=True, size={"height": size, "width": size}, resample=PILImageResampling.BILINEAR,
+               do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=[mean] * channels,
+               image_std=[std] * channels)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="sparsetrain export", description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
@@ -61,9 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layer-format", choices=("auto", "bitmap", "csl", "pair"), default="auto",
                    help="sparse format: compressed layout of each layer (auto: fewest bytes; pair: fastest decode)")
     a = p.parse_args(argv)
-    try:
+    try:  # everything that can fail is read before anything is written
         model = load_trained_model(a.run_dir, a.checkpoint)
-    except (FileNotFoundError, RuntimeError) as e:
+        preprocessor = load_preprocessor(a.run_dir, model)
+    except (FileNotFoundError, RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(a.out or Path(a.run_dir) / f"export-{a.format}")
@@ -73,5 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         inference.export_hf(model, out)
     else:
         inference.save_sparse(model, out, min_sparsity=a.min_sparsity, fmt=a.layer_format)
-    print(f"wrote {a.format} export to {out}")
+    extra = ""
+    if preprocessor is not None:
+        preprocessor.save_pretrained(out)
+        extra = " with its " + ("tokenizer" if hasattr(preprocessor, "convert_tokens_to_ids") else "image processor")
+    print(f"wrote {a.format} export{extra} to {out}")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -20,6 +21,28 @@ INDEX_FILE = "sparse_index.json"
 TENSORS_FILE = "sparse_model.safetensors"
 
 
+def umask_file_mode(folder: str | os.PathLike) -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file in ``folder`` (0o644 under umask 022), found by
+    creating a probe file rather than by ``os.umask``, which would change the process's umask for a moment."""
+    probe = os.path.join(folder, f".mode-probe-{secrets.token_hex(6)}")
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def _respect_umask(out_dir: str | os.PathLike) -> None:
+    # safetensors writes through a private temp file (mode 0600) and renames it: give the weights the mode any
+    # other file of the export gets, so a model exported under umask 022 is readable by its group and others.
+    mode = umask_file_mode(out_dir)
+    for name in os.listdir(out_dir):
+        path = os.path.join(out_dir, name)
+        if name.endswith(".safetensors") and os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, mode)
+
+
 def export_hf(model: nn.Module, out_dir: str) -> None:
     """``model.save_pretrained(out_dir)`` with the zeros written densely (loads anywhere with
     ``from_pretrained``). SparseInferenceLinear layers, if any, are first turned back into ``nn.Linear``."""
@@ -27,6 +50,7 @@ def export_hf(model: nn.Module, out_dir: str) -> None:
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     to_dense_linears(model)
     model.save_pretrained(out_dir)
+    _respect_umask(out_dir)
 
 
 def save_sparse(model: nn.Module, out_dir: str, min_sparsity: float = 0.5, fmt: str = "auto") -> list[LayerSwap]:
@@ -57,6 +81,7 @@ def save_sparse(model: nn.Module, out_dir: str, min_sparsity: float = 0.5, fmt: 
             seen[ident] = key
         tensors[key] = t.detach().contiguous().cpu()
     save_file(tensors, os.path.join(out_dir, TENSORS_FILE))
+    _respect_umask(out_dir)
     # The compressed layers need inputs of their values' dtype: load_sparse casts the model to it.
     dtypes = [tensors[f"{name}.values"].dtype for name in layers]
     index = {"format_version": FORMAT_VERSION, "layers": layers, "aliases": aliases,
@@ -75,7 +100,12 @@ def load_sparse(model_or_factory: nn.Module | Callable[[], nn.Module], out_dir: 
     """Loads a :func:`save_sparse` checkpoint into ``model_or_factory`` (a model of the same architecture, or
     a zero-argument callable that builds one): compressed layers become (compressed) SparseInferenceLinear,
     everything else is loaded with ``load_state_dict(strict=True)``; the model is cast to the checkpoint's
-    dtype. Example: ``load_sparse(lambda: LlamaForCausalLM(cfg), path)``.
+    dtype. Example: ``load_sparse(lambda: LlamaForCausalLM(cfg), path)``; a ``sparsetrain export --format sparse``
+    folder holds ``config.json`` and the run's tokenizer or image processor too::
+
+        config = AutoConfig.from_pretrained(path)
+        model = load_sparse(lambda: AutoModelForMaskedLM.from_config(config), path).eval()
+        fill = pipeline("fill-mask", model=model, tokenizer=AutoTokenizer.from_pretrained(path))
     """
     from safetensors.torch import load_file
 
