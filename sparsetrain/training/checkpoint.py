@@ -1,48 +1,94 @@
-"""Checkpoints: Accelerate state (model, optimizer, RNG, scaler) + sparsity scheduler state + LR schedule +
-data position, written atomically (temp dir, then rename) under ``RUN_DIR/checkpoints/step_XXXXXXXX``."""
+"""Checkpoints under ``RUN_DIR/checkpoints/step_XXXXXXXX``: model, optimizer, scaler and per-process RNG state,
+plus the sparsity scheduler, LR schedule, data position and the run's resolved config.
+
+Written so that nothing written can be lost or execute code:
+
+* every file is a ``torch.save`` of tensors and plain containers, and every load uses ``weights_only=True``
+  (a checkpoint holding any other object is refused, never unpickled);
+* files are written into ``.tmp_step_X``, fsynced, the directory renamed to ``step_X`` and the parent fsynced:
+  a ``step_X`` dir is complete or absent. ``meta.json`` lists every file with its size, so a file truncated
+  later is noticed before anything is loaded;
+* rotation renames an old checkpoint to ``.trash_step_X`` before deleting it, and leftovers of an
+  interrupted write or rotation (``.tmp_*``, ``.trash_*``, a ``step_X`` without its state) are removed by
+  :func:`remove_partial` when the next run starts.
+"""
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 STATE_FILE = "sparsetrain_state.pt"
+META_FILE = "meta.json"
+MODEL_FILE = "pytorch_model.bin"
+OPTIMIZER_FILE = "optimizer.bin"
+SCALER_FILE = "scaler.pt"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_LEFTOVER = re.compile(r"^\.(tmp|trash)_step_\d{8}$")
 
 
 class CheckpointError(RuntimeError):
     pass
 
 
+def _rng_file(rank: int) -> str:
+    return f"rng_state_{rank}.pt"
+
+
+# ---- reading --------------------------------------------------------------------------------------
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first (temp dirs of interrupted writes are ignored)."""
+    """Complete checkpoints under ``root``, oldest first (leftovers of interrupted writes are ignored)."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file()]
+    found = [p for p in root.iterdir()
+             if p.is_dir() and _STEP_DIR.match(p.name) and (p / STATE_FILE).is_file() and (p / META_FILE).is_file()]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
 
 
-def find_resume(resume: str | None, root: Path) -> Path | None:
-    """``None`` -> no resume; ``"auto"`` -> latest checkpoint under ``root`` (None if there is none);
-    a path -> that checkpoint (it must be complete)."""
-    if resume is None:
-        return None
-    if resume == "auto":
-        ckpts = list_checkpoints(root)
-        return ckpts[-1] if ckpts else None
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"trainer.resume: {path} is not a sparsetrain checkpoint (no {STATE_FILE})")
-    return path
+def safe_load(path: Path, what: str = "checkpoint file") -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU; anything else (a pickled object, a truncated or
+    corrupt file) raises :class:`CheckpointError` in one line. Never executes code from the file."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing") from None
+    except Exception as e:  # UnpicklingError for foreign objects, RuntimeError/EOFError for truncated zips
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{what} {path} cannot be loaded safely (only tensors and plain containers are "
+                              f"accepted): {first}") from None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: unreadable {META_FILE} ({e})") from None
+
+
+def check_intact(path: Path) -> None:
+    """Every file ``meta.json`` lists exists with its recorded size (a truncated file raises CheckpointError)."""
+    for name, size in (read_meta(path).get("files") or {}).items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            have = f.stat().st_size if f.is_file() else "missing"
+            raise CheckpointError(f"checkpoint {path}: {name} is damaged ({have} bytes, written {size})")
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    """The checkpoint's own state (step, sparsity, LR schedule, data position, config), after checking that
+    every file of the checkpoint is intact."""
+    check_intact(path)
+    state = safe_load(path / STATE_FILE, "checkpoint state")
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"checkpoint state {path / STATE_FILE} is not a sparsetrain state")
+    return state
 
 
 def check_compatible(state: dict[str, Any], path: Path, scheduler) -> None:
@@ -56,28 +102,121 @@ def check_compatible(state: dict[str, Any], path: Path, scheduler) -> None:
                               f"{scheduler.name!r}")
 
 
-def save_checkpoint(accelerator, root: Path, step: int, scheduler, extra: dict[str, Any], keep: int) -> Path:
-    """Write ``root/step_XXXXXXXX`` atomically; keep the newest ``keep`` checkpoints."""
-    root.mkdir(parents=True, exist_ok=True)
+# ---- writing --------------------------------------------------------------------------------------
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's entry to disk (directories: POSIX only)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory
+    finally:
+        os.close(fd)
+
+
+def _save(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync(path)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random states as tensors and plain values (loadable with weights_only=True)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(accelerator, model, optimizer, root: Path, step: int, scheduler, extra: dict[str, Any],
+                    keep: int) -> Path:
+    """Write ``root/step_XXXXXXXX`` atomically (see the module docstring); keep the newest ``keep``."""
+    main = accelerator.is_main_process
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}"
     if final.exists():
         return final
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
+    if main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=False)
-    if accelerator.is_main_process:
-        state = {"step": step, "sparsity": scheduler.state_dict() if scheduler.sparse else None, **extra}
-        torch.save(state, tmp / STATE_FILE)
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "sparsity": scheduler.name}) + "\n")
+    model_state = accelerator.get_state_dict(model)   # every rank (a collective under sharded strategies)
+    _save(rng_state(), tmp / _rng_file(accelerator.process_index))
+    if main:
+        _save(model_state, tmp / MODEL_FILE)
+        _save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if accelerator.scaler is not None:
+            _save(accelerator.scaler.state_dict(), tmp / SCALER_FILE)
+    accelerator.wait_for_everyone()
+    if main:
+        state = {"step": step, "sparsity": scheduler.state_dict() if scheduler.sparse else None,
+                 "processes": accelerator.num_processes, **extra}
+        _save(state, tmp / STATE_FILE)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        meta = tmp / META_FILE
+        meta.write_text(json.dumps({"step": step, "sparsity": scheduler.name, "files": files}) + "\n")
+        _fsync(meta)
+        _fsync(tmp)
         os.replace(tmp, final)
+        _fsync(root)
         for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            trash = root / f".trash_{old.name}"
+            os.replace(old, trash)          # one atomic step: the checkpoint is whole or gone
+            _fsync(root)
+            shutil.rmtree(trash, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> None:
-    """Restore model, optimizer, scaler and RNG states (sparsity/LR/data state is read by the caller)."""
-    accelerator.load_state(str(path))
+def load_checkpoint(accelerator, model, optimizer, path: Path, saved_processes: int) -> None:
+    """Restore model, optimizer, scaler and this process's RNG state (every file with weights_only=True).
+    Sparsity/LR/data state is read by the caller from :func:`read_state`."""
+    accelerator.unwrap_model(model).load_state_dict(safe_load(path / MODEL_FILE, "model state"))
+    optimizer.load_state_dict(safe_load(path / OPTIMIZER_FILE, "optimizer state"))
+    if accelerator.scaler is not None and (path / SCALER_FILE).is_file():
+        accelerator.scaler.load_state_dict(safe_load(path / SCALER_FILE, "scaler state"))
+    rank = accelerator.process_index
+    rng = path / _rng_file(rank if rank < saved_processes else 0)
+    if not rng.is_file():
+        raise CheckpointError(f"checkpoint {path} has no {rng.name} (written by an older sparsetrain?)")
+    set_rng_state(safe_load(rng, "random state"))
+
+
+def remove_partial(root: Path) -> list[str]:
+    """Delete leftovers of an interrupted checkpoint write or rotation; return their names."""
+    if not root.is_dir():
+        return []
+    removed = []
+    for p in sorted(root.iterdir()):
+        partial = _STEP_DIR.match(p.name) and not ((p / STATE_FILE).is_file() and (p / META_FILE).is_file())
+        if p.is_dir() and (partial or _LEFTOVER.match(p.name)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    if removed:
+        _fsync(root)
+    return removed
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint to ``.damaged_step_X`` (kept for inspection, no longer listed or resumed)."""
+    target = path.with_name(f".damaged_{path.name}")
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+    os.replace(path, target)
+    return target

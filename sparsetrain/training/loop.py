@@ -18,43 +18,22 @@ import torch
 from sparsetrain import flops as flop_count
 from sparsetrain.kernels import set_kernel_options
 from sparsetrain.training import checkpoint as ckpt
-from sparsetrain.training.metrics import MetricsLogger, Progress, format_summary, window_rate, write_summary
+from sparsetrain.training.batches import Batches
+from sparsetrain.training.guard import Guard, Interrupted, NonFiniteLoss, RunStopped, mask_update_due
+from sparsetrain.training.metrics import (
+    METRICS_FILE,
+    MetricsLogger,
+    Progress,
+    format_summary,
+    window_rate,
+    write_summary,
+)
 from sparsetrain.training.plots import plot_run
+from sparsetrain.training.resume import RunDirError, StartPlan, check_same_shape, plan_start, resume_command
 from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
 from sparsetrain.training.tracking import end_tracking, init_tracking, log_tracking
 
-
-class RunDirError(RuntimeError):
-    pass
-
-
-class Batches:
-    """Deterministic, resumable batches: epoch ``e`` is a permutation seeded by (seed, e); global micro-batch
-    ``b`` holds ``batch_size x world`` samples and this rank takes its slice. The position is ``b``."""
-
-    def __init__(self, dataset, collator, batch_size: int, world: int, rank: int, seed: int) -> None:
-        self.dataset, self.collator = dataset, collator
-        self.batch_size, self.world, self.rank, self.seed = batch_size, world, rank, seed
-        self.per_epoch = len(dataset) // (batch_size * world)
-        if self.per_epoch < 1:
-            raise ValueError(f"trainer.batch_size: {batch_size} x {world} process(es) is larger than the "
-                             f"training set ({len(dataset)} examples)")
-        self._perm_epoch, self._perm = -1, None
-
-    def indices(self, b: int) -> list[int]:
-        epoch, i = divmod(b, self.per_epoch)
-        if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(len(self.dataset), generator=gen), epoch
-        g = self.batch_size * self.world
-        start = i * g + self.rank * self.batch_size
-        return self._perm[start:start + self.batch_size].tolist()
-
-    def get(self, b: int) -> dict[str, torch.Tensor]:
-        epoch = b // self.per_epoch
-        if hasattr(self.collator, "set_epoch"):
-            self.collator.set_epoch(epoch)
-        return self.collator([self.dataset[i] for i in self.indices(b)])
+__all__ = ["Batches", "RunDirError", "RunStopped", "mask_signature", "train"]
 
 
 def _items_in(batch: dict[str, torch.Tensor]) -> tuple[int, str]:
@@ -80,6 +59,28 @@ def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         set_kernel_options(previous)
 
 
+def _prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict, processes: int) -> None:
+    """Main process, once every check passed: tidy the checkpoints, say how the run starts, save the config."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    root = run_dir / "checkpoints"
+    for path, why in plan.skipped:
+        print(f"warning: skipping damaged checkpoint ({why}); kept as {ckpt.set_aside(path).name}", flush=True)
+    for name in ckpt.remove_partial(root):
+        print(f"removed the partial checkpoint {root / name} (an interrupted write)", flush=True)
+    if plan.replace_metrics:
+        (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    for note in plan.notes:
+        print(note, flush=True)
+    saved = (plan.state or {}).get("processes", processes)
+    if saved != processes:
+        print(f"warning: checkpoint {plan.path} was written by {saved} process(es), this run has {processes}: "
+              f"the data order and random streams differ from an uninterrupted run", flush=True)
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(OmegaConf.create(config), run_dir / "config.yaml")
+    print(f"run directory: {run_dir}", flush=True)
+
+
 def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     import logging
 
@@ -91,14 +92,12 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     scheduler = spec.scheduler
     ckpt_root = run_dir / "checkpoints"
 
-    # -- 1. refuse to clobber: decided before anything is written --------------------------------
-    resume_path = ckpt.find_resume(args.resume, ckpt_root)
-    if resume_path is None and (run_dir / "metrics.jsonl").exists():
-        raise RunDirError(f"{run_dir} already holds a run (metrics.jsonl); continue it with trainer.resume=auto "
-                          f"or choose another hydra.run.dir")
-    resume_state = ckpt.read_state(resume_path) if resume_path else None
+    # -- 1. how the run starts (fresh, or which checkpoint), decided before anything is written -----
+    plan = plan_start(args.resume, run_dir)
+    resume_state = plan.state
     if resume_state is not None:
-        ckpt.check_compatible(resume_state, resume_path, scheduler)
+        ckpt.check_compatible(resume_state, plan.path, scheduler)
+        check_same_shape(plan.path, resume_state, spec.config)
 
     # -- 2. model and sparsity (cheap; validates the structure before any data is read) -----------
     set_seed(args.seed)
@@ -110,10 +109,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                               log_with="wandb" if args.wandb else None, project_dir=str(run_dir))
     main = accelerator.is_main_process
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        from omegaconf import OmegaConf
-
-        OmegaConf.save(OmegaConf.create(spec.config), run_dir / "config.yaml")
+        _prepare_run_dir(run_dir, plan, spec.config, accelerator.num_processes)
     optimizer = spec.build_optimizer(model)
     lr_sched = lr_scheduler(optimizer, args)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -144,23 +140,29 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     # -- 4. resume ------------------------------------------------------------------------------------
     step, micro, train_flops, elapsed = 0, 0, 0.0, 0.0
     window = {"loss": 0.0, "steps": 0, "items": 0, "time": 0.0}
+    win_loss = torch.zeros((), device=accelerator.device)   # the window's loss, summed on device
     hook_time = step_time = 0.0
+    wandb_id = None
     if resume_state is not None:
         if scheduler.sparse:
             scheduler.load_state_dict(resume_state["sparsity"])
-        ckpt.load_checkpoint(accelerator, resume_path)
+        ckpt.load_checkpoint(accelerator, model, optimizer, plan.path, resume_state.get("processes", 1))
         lr_sched.load_state_dict(resume_state["lr_scheduler"])
         step, micro = resume_state["step"], resume_state["micro_batches"]
         train_flops, elapsed = resume_state["train_flops"], resume_state["elapsed_s"]
         window = resume_state["window"]
+        if torch.is_tensor(resume_state.get("win_loss")):
+            win_loss = resume_state["win_loss"].to(accelerator.device)
+        if plan.path.resolve().parent == ckpt_root.resolve():   # the same run continues its tracker run
+            wandb_id = resume_state.get("wandb_run_id")
         report = flop_report()
         if main:
             MetricsLogger.truncate_after(run_dir, step)
-            print(f"resumed from {resume_path} at step {step}", flush=True)
+            print(f"resumed from {plan.path} at step {step}", flush=True)
     logger = MetricsLogger(run_dir, is_main_process=main)
     if args.wandb:
-        init_tracking(accelerator, args.wandb_project, str(run_dir), spec.config, mode=args.wandb_mode,
-                           name=args.wandb_name, enabled=True)
+        wandb_id = init_tracking(accelerator, args.wandb_project, str(run_dir), spec.config, mode=args.wandb_mode,
+                                 name=args.wandb_name, enabled=True, run_id=wandb_id)
     progress = Progress(args.max_steps, initial=step, disable=not (args.progress and main))
 
     def log(row: dict) -> None:
@@ -197,78 +199,129 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
             row["eval_accuracy"] = acc
         return row
 
-    def save(at: int) -> None:
-        window["loss"] += float(accelerator.reduce(win_loss.clone(), reduction="mean").item())
-        win_loss.zero_()
+    def save(at: int) -> Path:
+        # the loss check (guard.py) runs before the optimizer step; an update that overflowed the weights is
+        # caught here: reading every weight once costs little next to writing them all
+        if not bool(torch.stack([torch.isfinite(p).all() for p in inner.parameters()]).all()):
+            raise NonFiniteLoss(stopped(f"non-finite weights at step {at}; nothing was saved"))
+        # the window's device sum is stored as it is (not folded into a float): a resumed run adds the same
+        # float32 values in the same order as an uninterrupted one
         extra = {"lr_scheduler": lr_sched.state_dict(), "micro_batches": micro, "train_flops": train_flops,
-                 "elapsed_s": elapsed, "window": dict(window), "args": asdict(args)}
-        ckpt.save_checkpoint(accelerator, ckpt_root, at, scheduler, extra, args.keep_checkpoints)
+                 "elapsed_s": elapsed, "window": dict(window), "args": asdict(args), "config": spec.config,
+                 "win_loss": accelerator.reduce(win_loss.clone(), reduction="mean").cpu(),
+                 "wandb_run_id": wandb_id}
+        return ckpt.save_checkpoint(accelerator, model, optimizer, ckpt_root, at, scheduler, extra,
+                                    args.keep_checkpoints)
+
+    def sync_point(at: int) -> bool:
+        """Steps that synchronise with the device anyway; the guard reads its flags there (see guard.py)."""
+        return (at % args.log_every == 0 or at == args.max_steps or mask_update_due(scheduler, at)
+                or bool(args.eval_every and at % args.eval_every == 0)
+                or bool(args.checkpoint_every and at % args.checkpoint_every == 0))
+
+    def stopped(what: str) -> str:
+        last = ckpt.list_checkpoints(ckpt_root)
+        resume = "auto" if last or plan.path is None else str(plan.path)
+        where = last[-1] if last else plan.path
+        if where is None:
+            return f"{what}; no checkpoint was written yet: start the run again"
+        return (f"{what}; the last good checkpoint is {where}: continue with "
+                f"{resume_command(run_dir, args.overrides, resume)}")
 
     # -- 5. the loop -------------------------------------------------------------------------------
     model.train()
     last_eval = None
-    win_loss = torch.zeros((), device=accelerator.device)
     rate_key = "tokens_per_s" if seq_len else "samples_per_s"
     if torch.cuda.is_available() and not cpu:
         torch.cuda.reset_peak_memory_stats()
-    while step < args.max_steps:
-        t0 = time.perf_counter()
-        loss_acc = torch.zeros((), device=accelerator.device)
-        items = 0
-        for k in range(args.grad_accum):
-            batch = _to(batches.get(micro), accelerator.device)
-            micro += 1
-            n_items, rate_key = _items_in(batch)
-            items += n_items
-            sync = nullcontext() if k == args.grad_accum - 1 else accelerator.no_sync(model)
-            fwd = compiled if compiled is not None and step > first_step else model
-            with sync, accelerator.autocast():
-                loss = fwd(**batch).loss / args.grad_accum
-            accelerator.backward(loss)
-            loss_acc += loss.detach().float()
-        if args.clip_grad_norm:
-            accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-        optimizer.step()
-        lr_sched.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        th = time.perf_counter()
-        record = scheduler.step(step)                       # the sparsity hook
-        dt_hook = time.perf_counter() - th
-        if record is not None:
-            train_flops += flop_count.step_flops(report, is_update_step=True, dense_grad=needs_grad)
-            report = flop_report()                          # density may have changed (gradual, phase switch)
-        else:
-            train_flops += flop_count.step_flops(report, is_update_step=False, dense_grad=False)
-            hook_time += dt_hook
-        win_loss += loss_acc                                # summed on device: no sync per step
-        window["steps"] += 1
-        window["items"] += items * accelerator.num_processes
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        window["time"] += dt
-        if record is None:
-            step_time += dt
-        if record is not None:
-            log({"step": step, **record, "density": scheduler.density})
-        if step % args.log_every == 0 or step == args.max_steps:
-            window["loss"] += float(accelerator.reduce(win_loss.clone(), reduction="mean").item())
-            win_loss.zero_()
-            row = {"step": step, "loss": window["loss"] / max(1, window["steps"]), "lr": lr_sched.get_last_lr()[0],
-                   "train_flops": train_flops, rate_key: window["items"] / max(window["time"], 1e-9),
-                   "density": scheduler.density, "elapsed_s": elapsed}
-            if torch.cuda.is_available() and not cpu:
-                row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
-            log(row)
-            progress.update(step, loss=row["loss"], lr=row["lr"], **{rate_key: row[rate_key]})
-            window = {"loss": 0.0, "steps": 0, "items": 0, "time": 0.0}
-        if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
-            last_eval = evaluate()
-            log({"step": step, **last_eval, "train_flops": train_flops, "elapsed_s": elapsed})
-        if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.max_steps:
+    guard = Guard(accelerator.device, accelerator.num_processes, start_step=step)
+    try:
+        with guard:
+            while step < args.max_steps:
+                t0 = time.perf_counter()
+                loss_acc = torch.zeros((), device=accelerator.device)
+                items = 0
+                for k in range(args.grad_accum):
+                    batch = _to(batches.get(micro), accelerator.device)
+                    micro += 1
+                    n_items, rate_key = _items_in(batch)
+                    items += n_items
+                    sync = nullcontext() if k == args.grad_accum - 1 else accelerator.no_sync(model)
+                    fwd = compiled if compiled is not None and step > first_step else model
+                    with sync, accelerator.autocast():
+                        loss = fwd(**batch).loss / args.grad_accum
+                    accelerator.backward(loss)
+                    loss_acc += loss.detach().float()
+                grad_norm = None
+                if args.clip_grad_norm:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+                optimizer.step()
+                lr_sched.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                guard.observe(loss_acc, grad_norm)
+                stop = None
+                if sync_point(step):   # before the sparsity hook: a mask update never runs on NaN weights
+                    first_bad, stop = guard.poll()
+                    if first_bad is not None:
+                        raise NonFiniteLoss(stopped(f"non-finite loss or gradient norm at step {first_bad} "
+                                                    f"(seen at step {step}); nothing after it was saved"))
+                th = time.perf_counter()
+                record = scheduler.step(step)                       # the sparsity hook
+                dt_hook = time.perf_counter() - th
+                if record is not None:
+                    train_flops += flop_count.step_flops(report, is_update_step=True, dense_grad=needs_grad)
+                    report = flop_report()                          # density may have changed
+                else:
+                    train_flops += flop_count.step_flops(report, is_update_step=False, dense_grad=False)
+                    hook_time += dt_hook
+                win_loss += loss_acc                                # summed on device: no sync per step
+                window["steps"] += 1
+                window["items"] += items * accelerator.num_processes
+                dt = time.perf_counter() - t0
+                elapsed += dt
+                window["time"] += dt
+                if record is None:
+                    step_time += dt
+                if record is not None:
+                    log({"step": step, **record, "density": scheduler.density})
+                if step % args.log_every == 0 or step == args.max_steps:
+                    window["loss"] += float(accelerator.reduce(win_loss.clone(), reduction="mean").item())
+                    win_loss.zero_()
+                    row = {"step": step, "loss": window["loss"] / max(1, window["steps"]),
+                           "lr": lr_sched.get_last_lr()[0], "train_flops": train_flops,
+                           rate_key: window["items"] / max(window["time"], 1e-9),
+                           "density": scheduler.density, "elapsed_s": elapsed}
+                    if torch.cuda.is_available() and not cpu:
+                        row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                    log(row)
+                    progress.update(step, loss=row["loss"], lr=row["lr"], **{rate_key: row[rate_key]})
+                    window = {"loss": 0.0, "steps": 0, "items": 0, "time": 0.0}
+                if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
+                    last_eval = evaluate()
+                    log({"step": step, **last_eval, "train_flops": train_flops, "elapsed_s": elapsed})
+                if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.max_steps:
+                    save(step)
+                if accelerator.num_processes == 1:
+                    stop = guard.signal            # one process: act on a signal after this very step
+                if stop and step < args.max_steps:
+                    import signal
+
+                    path = save(step)
+                    raise Interrupted(f"stopped by {signal.Signals(stop).name} after step {step}; checkpoint "
+                                      f"{path} written; continue with "
+                                      f"{resume_command(run_dir, args.overrides)}", stop)
             save(step)
-    save(step)
+    except RunStopped:
+        progress.close()
+        logger.close()
+        if args.wandb:
+            end_tracking(accelerator)
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+        raise
     progress.close()
+    logger.close()
     masks_identical = None
     if accelerator.num_processes > 1:
         # every rank must hold the same topology; a mismatch would silently train different models
@@ -294,6 +347,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         if args.plot:
             plot_run(run_dir)
         print(format_summary(summary), flush=True)
+        print(f"run directory: {run_dir}", flush=True)
     if args.wandb:
         end_tracking(accelerator)
     accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it

@@ -53,6 +53,8 @@ class TrainArgs:
     wandb_project: str = "sparsetrain"
     wandb_name: str | None = None
     recipe: str = "custom"
+    #: The command-line overrides the run was started with; the loop prints them in the command that resumes it.
+    overrides: tuple[str, ...] = ()
     #: Kernel choices (``trainer.kernels.*``), put in force once when the run starts.
     kernels: KernelOptions = field(default_factory=KernelOptions)
 

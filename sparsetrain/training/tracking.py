@@ -27,21 +27,24 @@ def init_tracking(
     mode: str = "offline",
     name: str | None = None,
     enabled: bool = True,
-) -> None:
-    """Start wandb tracking through Accelerate's trackers, writing under `run_dir/wandb/`.
+    run_id: str | None = None,
+) -> str | None:
+    """Start wandb tracking through Accelerate's trackers, writing under `run_dir/wandb/`; return the wandb
+    run id (None when not enabled).
 
     The accelerator must come from `Accelerator(log_with="wandb", project_dir=run_dir)`. `mode` is
     `"offline"` (default: works with no network and no API key; upload later with `wandb sync`),
     `"online"` (needs a logged-in user) or `"disabled"`. wandb's own console messages are silenced and
     its stdout/stderr capture is off, unless WANDB_SILENT / WANDB_CONSOLE are already set.
-    `enabled=False` does nothing.
+    `enabled=False` does nothing. `run_id` continues that run (a resumed training run keeps its wandb run:
+    the id is stored in its checkpoints); None starts a new one.
 
     Example:
         >>> acc = Accelerator(log_with="wandb", project_dir="runs/demo")
         >>> init_tracking(acc, "sparsetrain", "runs/demo", {"density": 0.1}, name="static-0.1")
     """
     if not enabled:
-        return
+        return None
     if mode not in WANDB_MODES:
         raise ValueError(f"mode must be one of {WANDB_MODES}, got {mode!r}")
     if not isinstance(project, str) or not project:
@@ -63,7 +66,14 @@ def init_tracking(
     # Console capture off: wandb otherwise wraps stdout/stderr, which fights tqdm and Hydra's logging.
     os.environ.setdefault("WANDB_CONSOLE", "off")
     init_kwargs = {"dir": str(run_dir), "name": name or run_dir.name, "mode": mode}
+    if run_id is not None:
+        init_kwargs.update(id=str(run_id), resume="allow")
     accelerator.init_trackers(project, config=json_value(config, "config"), init_kwargs={"wandb": init_kwargs})
+    try:  # only the main process holds the run (Accelerate starts trackers there)
+        run = getattr(accelerator.get_tracker("wandb", unwrap=True), "id", None)
+    except ValueError:
+        run = None
+    return str(run) if isinstance(run, str) and run else run_id
 
 
 def log_tracking(accelerator: Any, row: dict, step: int) -> None:

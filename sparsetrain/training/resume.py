@@ -1,0 +1,149 @@
+"""Deciding how a run starts in its run directory, before anything is written: fresh, or resumed from which
+checkpoint, and whether the stored config allows it.
+
+* ``trainer.resume=auto`` takes the newest *intact* checkpoint (a damaged one is named and skipped);
+  with none it starts from step 0, replacing the metrics of a run killed before its first checkpoint.
+* A fresh start (no ``trainer.resume``) over a finished run or one with checkpoints is refused; over a partial
+  run with no checkpoint it starts again and says that the old metrics are replaced.
+* Resuming with another value of anything that shapes the model or its masks is refused with one line listing
+  the keys (:func:`shape_changes`, on plain dicts).
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparsetrain.training import checkpoint as ckpt
+from sparsetrain.training.checkpoint import CheckpointError
+
+#: Config keys (and key prefixes) a resumed run must share with its checkpoint: they decide the model's
+#: shapes, which weights are masked and how masks evolve, or the data order.
+SHAPE_KEYS = ("model", "sparsity", "data.seq_len", "data.vocab_size", "data.image_size", "seed")
+
+
+class RunDirError(RuntimeError):
+    pass
+
+
+@dataclass
+class StartPlan:
+    """How a run starts: ``path``/``state`` of the checkpoint to resume (None: from step 0), the checkpoints
+    skipped as damaged, and whether old metrics are to be replaced."""
+
+    path: Path | None = None
+    state: dict[str, Any] | None = None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    replace_metrics: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out if out or not prefix else {prefix: {}}
+    return {prefix: tree}
+
+
+def shape_changes(old: dict, new: dict, keys: tuple[str, ...] = SHAPE_KEYS) -> list[str]:
+    """Dotted keys under ``keys`` whose values differ between two resolved configs (plain dicts).
+
+    >>> shape_changes({"sparsity": {"density": 0.1}, "seed": 0}, {"sparsity": {"density": 0.2}, "seed": 0})
+    ['sparsity.density']
+    """
+    a, b = _flatten(old), _flatten(new)
+
+    def watched(k: str) -> bool:
+        return any(k == p or k.startswith(p + ".") for p in keys)
+
+    return sorted(k for k in set(a) | set(b) if watched(k) and a.get(k) != b.get(k))
+
+
+def stored_config(path: Path, state: dict[str, Any]) -> dict | None:
+    """The resolved config a checkpoint was trained with: its own copy, else its run's config.yaml."""
+    if isinstance(state.get("config"), dict):
+        return state["config"]
+    yaml_path = path.parent.parent / "config.yaml"
+    if yaml_path.is_file():
+        import yaml
+
+        loaded = yaml.safe_load(yaml_path.read_text())
+        return loaded if isinstance(loaded, dict) else None
+    return None
+
+
+def check_same_shape(path: Path, state: dict[str, Any], config: dict) -> None:
+    old = stored_config(path, state)
+    if old is None or not config:
+        return
+    changed = shape_changes(old, config)
+    if changed:
+        shown = ", ".join(f"{k} ({_get(old, k)} -> {_get(config, k)})" for k in changed[:8])
+        more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+        raise CheckpointError(f"trainer.resume: checkpoint {path} was trained with other model/mask settings: "
+                              f"{shown}{more}; resume with the checkpoint's values or start a new run dir")
+
+
+def _get(tree: dict, key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return "unset"
+        node = node[part]
+    return repr(node)
+
+
+def _newest_intact(root: Path, plan: StartPlan) -> None:
+    for path in reversed(ckpt.list_checkpoints(root)):
+        try:
+            plan.path, plan.state = path, ckpt.read_state(path)
+            return
+        except CheckpointError as e:
+            plan.skipped.append((path, str(e)))
+    plan.path = plan.state = None
+
+
+def plan_start(resume: str | None, run_dir: Path) -> StartPlan:
+    """Decide (reading only) how the run in ``run_dir`` starts; raise RunDirError/CheckpointError if it can't.
+    The caller then checks the checkpoint against the run (:func:`check_same_shape`)."""
+    root = run_dir / "checkpoints"
+    plan = StartPlan()
+    has_metrics = (run_dir / "metrics.jsonl").exists()
+    finished = (run_dir / "summary.json").exists()
+    if resume is None:
+        if has_metrics and (finished or ckpt.list_checkpoints(root)):
+            raise RunDirError(f"{run_dir} already holds a run (metrics.jsonl); continue it with "
+                              f"trainer.resume=auto or choose another hydra.run.dir")
+    elif resume == "auto":
+        _newest_intact(root, plan)
+        if plan.path is None and has_metrics and finished:
+            raise RunDirError(f"{run_dir} holds a finished run without an intact checkpoint; choose another "
+                              f"hydra.run.dir")
+    else:
+        path = Path(resume)
+        if not (path / ckpt.STATE_FILE).is_file():
+            raise CheckpointError(f"trainer.resume: {path} is not a sparsetrain checkpoint (no {ckpt.STATE_FILE})")
+        plan.path, plan.state = path, ckpt.read_state(path)
+    if plan.path is None and has_metrics:
+        plan.replace_metrics = True
+        plan.notes.append(f"{run_dir} holds a partial run with no checkpoint: starting again from step 0 "
+                          f"(its metrics.jsonl is replaced)")
+    elif plan.path is None and resume == "auto":
+        plan.notes.append(f"trainer.resume=auto: no checkpoint under {root}, starting from step 0")
+    return plan
+
+
+def resume_command(run_dir: Path, overrides: tuple[str, ...] | list[str] = (), resume: str = "auto") -> str:
+    """The command that continues the run in ``run_dir`` from its newest checkpoint (or from ``resume``).
+
+    >>> resume_command(Path("runs/a"), ["recipe=quickstart", "trainer.resume=x"])
+    'sparsetrain train recipe=quickstart hydra.run.dir=runs/a trainer.resume=auto'
+    """
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("trainer.resume=", "hydra.run.dir="))]
+    if not overrides:
+        kept = ["<the same overrides>"]
+    parts = ["sparsetrain", "train", *kept, f"hydra.run.dir={run_dir}", f"trainer.resume={resume}"]
+    return " ".join(p if p == "<the same overrides>" else shlex.quote(p) for p in parts)

@@ -1,0 +1,195 @@
+"""Hardening of the loop, in process on a tiny BERT: a NaN stops the run before anything bad is saved or a mask
+update runs; nothing loaded on resume can execute code; a partial run restarts; resume refuses another model or
+mask config, skips a damaged checkpoint and removes leftovers of an interrupted write."""
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sparsetrain.data.mlm import MLMCollator, PackedSequences
+from sparsetrain.models.builders import build_model
+from sparsetrain.nn import DEFAULT_EXCLUDE
+from sparsetrain.sparsity.layout import Block
+from sparsetrain.sparsity.schedulers import PruneRegrow
+from sparsetrain.training import checkpoint as ckpt
+from sparsetrain.training.checkpoint import CheckpointError
+from sparsetrain.training.guard import NonFiniteLoss
+from sparsetrain.training.loop import RunDirError, train
+from sparsetrain.training.metrics import read_metrics
+from sparsetrain.training.resume import plan_start, shape_changes
+from sparsetrain.training.setup import RunSpec, TrainArgs, optimizer_factory
+
+CONFIG = {"model": {"arch": "bert", "size": "tiny"}, "sparsity": {"density": 0.5, "block": 16}, "seed": 0,
+          "optim": {"optimizer": {"lr": 1e-3}}}
+
+
+def _data(vocab: int = 64, seq_len: int = 16):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab, (48, seq_len), generator=g)
+    ids[:, 0], ids[:, -1] = 2, 3
+    collator = MLMCollator(mask_token_id=4, vocab_size=vocab, special_ids=[0, 1, 2, 3, 4])
+    return SimpleNamespace(train=PackedSequences(ids[:40]), eval=PackedSequences(ids[40:]), collator=collator,
+                           vocab_size=vocab, seq_len=seq_len)
+
+
+def _spec(poison_after: int | None = None, records: list | None = None, config: dict | None = None, **args):
+    """A tiny prune-and-regrow run (mask updates at steps 3, 6, 9 of 12). ``poison_after=N`` writes a NaN into
+    one weight right after optimizer step N (so the loss of step N+1 is NaN)."""
+    scheduler = PruneRegrow(policy="set", drop_fraction=0.3, interval=3)
+    step = scheduler.step
+
+    def step_and_poison(n):
+        record = step(n)
+        if records is not None and record is not None:
+            records.append(n)
+        if n == poison_after:
+            with torch.no_grad():
+                next(scheduler.model.parameters()).view(-1)[0] = float("nan")
+        return record
+
+    scheduler.step = step_and_poison
+    kw = dict(max_steps=12, batch_size=4, eval_every=0, eval_batches=1, log_every=100, checkpoint_every=4,
+              device="cpu", progress=False, plot=False, recipe="plain", overrides=("recipe=plain", "seed=0"))
+    kw.update(args)
+    return RunSpec(
+        build_model=lambda: build_model("bert", "tiny", vocab_size=64, seq_len=16, num_hidden_layers=1),
+        build_data=_data,
+        build_optimizer=optimizer_factory(torch.optim.AdamW, {"lr": 1e-3}),
+        scheduler=scheduler,
+        sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
+                             density_overrides=None, block=Block(16, 16), format="masked", init="random", seed=0),
+        train_args=TrainArgs(**kw), method="prune_regrow/set", config=dict(config or CONFIG), block_label="16")
+
+
+def _steps(run_dir: Path) -> list[str]:
+    return [p.name for p in ckpt.list_checkpoints(run_dir / "checkpoints")]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 12-step run (checkpoints at steps 8 and 12)."""
+    d = tmp_path_factory.mktemp("done") / "run"
+    train(_spec(), d)
+    return d
+
+
+def test_nan_stops_before_the_mask_update_and_keeps_the_good_checkpoint(tmp_path):
+    d, records = tmp_path / "nan", []
+    with pytest.raises(NonFiniteLoss) as err:     # the loss of step 6 is NaN; step 6 updates masks
+        train(_spec(poison_after=5, records=records), d)
+    msg = str(err.value)
+    assert "\n" not in msg and "at step 6" in msg and err.value.exit_code == 1
+    assert "step_00000004" in msg and f"hydra.run.dir={d} trainer.resume=auto" in msg
+    assert msg.split("continue with ")[1].startswith("sparsetrain train recipe=plain seed=0 ")
+    assert records == [3]                          # no mask update ran on the NaN weights
+    assert _steps(d) == ["step_00000004"]          # nothing non-finite was written or rotated in
+    weights = torch.load(d / "checkpoints/step_00000004" / ckpt.MODEL_FILE, weights_only=True)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert not (d / "summary.json").exists()
+
+
+def test_nan_weights_are_never_checkpointed(tmp_path):
+    d = tmp_path / "nanw"   # poisoned inside step 4, whose loss was still finite: the save of step 4 refuses
+    with pytest.raises(NonFiniteLoss, match="non-finite weights at step 4"):
+        train(_spec(poison_after=4), d)
+    assert _steps(d) == [] and not list((d / "checkpoints").glob("*"))
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.makedirs, (os.environ["SPARSETRAIN_TEST_MARKER"],))
+
+
+@pytest.mark.parametrize("victim", [ckpt.STATE_FILE, ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, "rng_state_0.pt"])
+def test_a_checkpoint_file_that_would_run_code_is_refused(finished_run, tmp_path, monkeypatch, victim):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("SPARSETRAIN_TEST_MARKER", str(marker))
+    bad = tmp_path / "bad" / "checkpoints" / "step_00000012"
+    shutil.copytree(finished_run / "checkpoints" / "step_00000012", bad)
+    torch.save({"x": _Payload()}, bad / victim)
+    meta = json.loads((bad / ckpt.META_FILE).read_text())      # sizes agree: only the content is hostile
+    meta["files"][victim] = (bad / victim).stat().st_size
+    (bad / ckpt.META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="cannot be loaded safely") as err:
+        train(_spec(resume=str(bad), max_steps=14), tmp_path / "new")
+    assert "\n" not in str(err.value) and victim in str(err.value)
+    assert not marker.exists()
+
+
+def test_resume_refuses_model_or_mask_changes_before_touching_the_run(finished_run, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    (d / "summary.json").unlink()
+    before = (d / "config.yaml").read_text()
+    changed = {**CONFIG, "sparsity": {"density": 0.2, "block": 16}, "seed": 3}
+    with pytest.raises(CheckpointError) as err:
+        train(_spec(resume="auto", max_steps=16, config=changed), d)
+    msg = str(err.value)
+    assert "\n" not in msg and "sparsity.density (0.5 -> 0.2)" in msg and "seed (0 -> 3)" in msg
+    assert (d / "config.yaml").read_text() == before
+    assert shape_changes(CONFIG, {**CONFIG, "optim": {"optimizer": {"lr": 1.0}}}) == []   # lr may change
+
+
+def test_resume_skips_a_damaged_checkpoint_removes_partial_ones_and_warns_on_world_size(finished_run, tmp_path,
+                                                                                        capsys):
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    (d / "summary.json").unlink()
+    root = d / "checkpoints"
+    newest = root / "step_00000012" / ckpt.STATE_FILE
+    newest.write_bytes(newest.read_bytes()[:200])             # truncated
+    state = torch.load(root / "step_00000008" / ckpt.STATE_FILE, weights_only=True)
+    torch.save({**state, "processes": 2}, root / "step_00000008" / ckpt.STATE_FILE)
+    meta = json.loads((root / "step_00000008" / ckpt.META_FILE).read_text())
+    meta["files"][ckpt.STATE_FILE] = (root / "step_00000008" / ckpt.STATE_FILE).stat().st_size
+    (root / "step_00000008" / ckpt.META_FILE).write_text(json.dumps(meta))
+    (root / "step_00000099").mkdir()                            # a rotation or write killed half-way
+    (root / "step_00000099" / ckpt.MODEL_FILE).write_bytes(b"partial")
+    (root / ".tmp_step_00000100").mkdir()
+    summary = train(_spec(resume="auto", max_steps=12), d)
+    out = capsys.readouterr().out
+    assert "skipping damaged checkpoint" in out and "step_00000012" in out
+    assert "resumed from" in out and "at step 8" in out
+    assert "written by 2 process(es), this run has 1" in out
+    assert "removed the partial checkpoint" in out and "step_00000099" in out
+    assert summary["steps"] == 12 and _steps(d) == ["step_00000008", "step_00000012"]
+    assert (root / ".damaged_step_00000012").is_dir()
+    assert sorted(p.name for p in root.iterdir()) == [".damaged_step_00000012", "step_00000008", "step_00000012"]
+    assert f"run directory: {d}" in out
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts(tmp_path, capsys):
+    d = tmp_path / "partial"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n{"step": 2, "loss": 8.0}\n')
+    (d / "config.yaml").write_text("seed: 0\n")
+    plan = plan_start("auto", d)
+    assert plan.path is None and plan.replace_metrics
+    summary = train(_spec(max_steps=4, log_every=1), d)          # the same command again, no trainer.resume
+    assert "partial run with no checkpoint: starting again from step 0" in capsys.readouterr().out
+    assert summary["steps"] == 4
+    assert [r["loss"] != 9.0 for r in read_metrics(d) if r.get("step") == 1] == [True]
+    assert [r["step"] for r in read_metrics(d) if "loss" in r] == [1, 2, 3, 4]
+    with pytest.raises(RunDirError, match="trainer.resume=auto"):   # a finished run is never clobbered
+        train(_spec(max_steps=4), d)
+    train(_spec(max_steps=4, resume="auto"), tmp_path / "fresh")     # auto with no checkpoint: from step 0
+
+
+def test_checkpoint_files_and_directories_are_fsynced(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+
+    def record(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    train(_spec(max_steps=4, checkpoint_every=0), tmp_path / "run")
+    root = tmp_path / "run" / "checkpoints"
+    names = {Path(p).name for p in synced}
+    assert {ckpt.STATE_FILE, ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, "rng_state_0.pt", ckpt.META_FILE} <= names
+    assert str(root) in synced and str(root / ".tmp_step_00000004") in synced
