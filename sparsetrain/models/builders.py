@@ -6,6 +6,9 @@ BERT and ViT papers do. Models are randomly initialised unless ``arch="hf"``.
 
 from __future__ import annotations
 
+import json
+import pickle
+from pathlib import Path
 from typing import Any
 
 # (layers, hidden, heads) per architecture and size.
@@ -140,26 +143,9 @@ def build_model(
     >>> model.config.num_hidden_layers, model.config.hidden_size
     (2, 128)
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    check_model_args(arch, size, name_or_path=name_or_path, task=task)
     if arch == "hf":
-        if not name_or_path:
-            raise ValueError("arch='hf' needs name_or_path (a model name or a local folder with weights)")
-        if task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-        from transformers import AutoModelForImageClassification, AutoModelForMaskedLM
-
-        if task == "mlm":
-            return AutoModelForMaskedLM.from_pretrained(
-                name_or_path, attn_implementation=attn_implementation, **overrides
-            )
-        return AutoModelForImageClassification.from_pretrained(
-            name_or_path,
-            num_labels=num_labels,
-            ignore_mismatched_sizes=True,
-            attn_implementation=attn_implementation,
-            **overrides,
-        )
+        return _load_pretrained(name_or_path, task, num_labels, attn_implementation, overrides)
 
     config = build_config(
         arch,
@@ -180,3 +166,138 @@ def build_model(
     from transformers import ViTForImageClassification
 
     return ViTForImageClassification(config)
+
+
+# ---- checks before anything is loaded, and the pretrained-model boundary -------------------------------------
+#: Weight files ``from_pretrained`` reads from a local folder (one of them must be there).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str | None = None, task: str = "mlm",
+                     **_unused: Any) -> None:
+    """Cheap checks of :func:`build_model`'s arguments (no weights read, no network): raises ValueError whose
+    message starts with the argument's name. A local ``name_or_path`` must be a folder with a JSON
+    ``config.json`` and an intact weight file (the safetensors header is read); a hub name is checked when
+    it is loaded."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if arch != "hf":
+        _size(arch, size)
+        return
+    if not name_or_path or str(name_or_path) == "???":
+        raise ValueError("name_or_path is required for arch='hf' (a model name or a local folder with weights)")
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    path = Path(str(name_or_path)).expanduser()
+    if not path.exists():
+        if str(name_or_path).startswith(("/", "./", "../", "~")) or str(name_or_path).count("/") > 1:
+            raise ValueError(f"name_or_path {str(name_or_path)!r} is neither a local folder nor a hub model name")
+        return  # a hub name: checked when loaded
+    if not path.is_dir():
+        raise ValueError(f"name_or_path {str(path)!r} must be a folder holding config.json and the weights")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"name_or_path {str(path)!r}: config.json is missing or not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"name_or_path {str(path)!r}: config.json does not hold a JSON object")
+    weights = [path / w for w in WEIGHT_FILES if (path / w).is_file()]
+    if not weights:
+        raise ValueError(f"name_or_path {str(path)!r} holds no weight file (one of {list(WEIGHT_FILES)})")
+    if weights[0].name == "model.safetensors":
+        problem = _safetensors_problem(weights[0])
+        if problem:
+            raise ValueError(f"name_or_path {str(path)!r}: model.safetensors is damaged ({problem})")
+    elif weights[0].stat().st_size == 0:
+        raise ValueError(f"name_or_path {str(path)!r}: {weights[0].name} is empty")
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a safetensors file's framing (header length, JSON header, data size), or None.
+    Reads only the header."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than the 8-byte header length"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"header length {n} exceeds the file size {size}"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return "the header is not JSON"
+    if not isinstance(header, dict):
+        return "the header is not a JSON object"
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and len(v.get("data_offsets", ())) == 2]
+    if 8 + n + max(ends, default=0) > size:
+        return f"truncated: the tensors need {8 + n + max(ends)} bytes, the file has {size}"
+    return None
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (OSError, ValueError, pickle.UnpicklingError, EOFError)
+    try:
+        from safetensors import SafetensorError
+
+        errors += (SafetensorError,)
+    except ImportError:  # pragma: no cover - safetensors ships with transformers
+        pass
+    return errors
+
+
+def _load_pretrained(name_or_path: str, task: str, num_labels: int, attn_implementation: str,
+                     overrides: dict[str, Any]):
+    """``from_pretrained`` with its failures (missing or damaged files, unknown hub names) as one ValueError
+    naming ``name_or_path``."""
+    from transformers import AutoModelForImageClassification, AutoModelForMaskedLM
+
+    try:
+        if task == "mlm":
+            return AutoModelForMaskedLM.from_pretrained(
+                name_or_path, attn_implementation=attn_implementation, **overrides
+            )
+        return AutoModelForImageClassification.from_pretrained(
+            name_or_path,
+            num_labels=num_labels,
+            ignore_mismatched_sizes=True,
+            attn_implementation=attn_implementation,
+            **overrides,
+        )
+    except _load_errors() as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"name_or_path {name_or_path!r} cannot be loaded: {first}") from e
+
+
+def build_skeleton(arch: str, size: str = "tiny", **kwargs: Any):
+    """The model :func:`build_model` would build, on the meta device (layer names and shapes, no memory, no
+    weights read), to check a sparsity layout before anything is loaded; None for a pretrained model that
+    is not a local folder (its structure is known only once loaded)."""
+    import torch
+
+    check_model_args(arch, size, **kwargs)
+    if arch != "hf":
+        with torch.device("meta"):
+            return build_model(arch, size, **kwargs)
+    path = Path(str(kwargs["name_or_path"])).expanduser()
+    if not path.is_dir():
+        return None
+    from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForMaskedLM
+
+    task = kwargs.get("task", "mlm")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except _load_errors() as e:
+        raise ValueError(f"name_or_path {str(path)!r}: config.json cannot be read: {e}") from e
+    auto = AutoModelForMaskedLM if task == "mlm" else AutoModelForImageClassification
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+build_model.check_args = check_model_args  # what sparsetrain.config calls before anything is built
+build_model.skeleton = build_skeleton
+
+
+__all__ = ["ARCHS", "MODEL_SIZES", "TASKS", "build_config", "build_model", "build_skeleton", "check_model_args"]

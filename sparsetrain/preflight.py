@@ -1,0 +1,128 @@
+"""Checks that need more than one config value, run by :func:`sparsetrain.config.validate` before any model,
+data or file is touched: values left ``???``, the machine (device, precision), the weight format against the
+scheduler, and the sparsity layout against the model's layers (built on the meta device: names and shapes,
+no memory, no weights read). Each raises :class:`~sparsetrain.config.ConfigError` naming the key.
+
+>>> check_machine("cpu", "bf16", cuda_available=False)  # fine
+>>> check_machine("cuda", "no", cuda_available=False)  # doctest: +IGNORE_EXCEPTION_DETAIL
+Traceback (most recent call last):
+ConfigError: trainer.device: ...
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["ConfigError", "check_format_fits_scheduler", "check_layout", "check_machine", "check_no_missing", "check_target_path"]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message starts with the offending key (``sparsetrain.config``
+    re-exports it)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+def check_no_missing(cfg: DictConfig) -> None:
+    """Every ``???`` value (``model=hf`` without ``model.name_or_path``, ``data=text_files`` without
+    ``data.files``) is named before anything else happens."""
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not str(k).startswith("hydra."))
+    if missing:
+        raise ConfigError(missing[0], f"needs a value: add {missing[0]}=... to the command line")
+
+
+def check_machine(device: str, mixed_precision: str, cuda_available: bool | None = None) -> None:
+    """``trainer.device=cuda`` needs a GPU (never a silent CPU run); fp16 autocast needs one too (bf16 runs on
+    the CPU)."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if device == "cuda" and not cuda_available:
+        raise ConfigError("trainer.device", "is 'cuda' but no CUDA GPU is visible; use trainer.device=cpu "
+                                            "(or auto) to train on the CPU")
+    on_cpu = device == "cpu" or not cuda_available
+    if mixed_precision == "fp16" and on_cpu:
+        raise ConfigError("trainer.mixed_precision", "fp16 needs a CUDA GPU and this run is on the CPU; use "
+                                                     "trainer.mixed_precision=bf16 or no")
+
+
+def check_target_path(target: str, key: str) -> None:
+    """What can be checked of a ``_target_`` without importing anything: a dotted path ``module.Name`` whose
+    module is not part of the standard library (no stdlib class is a sparsetrain policy, scheduler, format
+    or optimizer, and importing some stdlib modules has effects, e.g. ``this``)."""
+    module_name, _, attr = target.rpartition(".")
+    if not module_name or not attr or not all(p.isidentifier() for p in target.split(".")):
+        raise ConfigError(key, f"{target!r} must be a dotted path 'module.Name'")
+    top = module_name.split(".")[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names:
+        raise ConfigError(key, f"{target!r} comes from the standard library module {top!r}; name a class from "
+                               "sparsetrain, torch or your own module")
+
+
+def _caps(fmt: type) -> Any:
+    try:
+        return fmt().caps  # capabilities may depend on the instance (2:4 derives its mask by default)
+    except TypeError:  # a user format whose constructor needs arguments: checked when it is built
+        return None
+
+
+def _writes_nm_masks(scheduler) -> bool:
+    """Does the scheduler leave every mask N:M? True when it says so (``produces_nm``) or when it never writes
+    masks after sparsify (static topology: the format keeps the masks it chose)."""
+    says = getattr(scheduler, "produces_nm", None)
+    if says is not None:
+        return bool(says)
+    from sparsetrain.sparsity.schedulers import SparseThenDense
+
+    return bool(getattr(scheduler, "static_topology", False)) or isinstance(scheduler, SparseThenDense)
+
+
+def check_format_fits_scheduler(fmt: type, format_spec: str, scheduler) -> None:
+    """A format that needs N:M masks (``FormatCaps.needs_nm``, e.g. ``2:4``) only with a scheduler whose masks
+    are N:M, so that the first mask update cannot fail mid-run."""
+    caps = _caps(fmt)
+    if caps is None or not scheduler.sparse or not caps.needs_nm or _writes_nm_masks(scheduler):
+        return
+    name = getattr(scheduler, "name", type(scheduler).__name__)
+    raise ConfigError("sparsity.format", f"{format_spec!r} keeps 2:4 masks, but the {name} scheduler writes "
+                                         "unstructured masks at its updates; use sparsity=sparse_then_dense or "
+                                         "sparsity=static with it, or sparsity.format=masked")
+
+
+def check_layout(model, format_cls: type, sparsify_kwargs: dict) -> None:
+    """The sparsity layout against the model's layers: every ``targets`` glob matches a linear, the block
+    divides every selected weight, ``density_overrides`` globs match and leave a valid density, and an N:M
+    format gets element blocks and dimensions it can tile. ``model`` may live on the meta device."""
+    from sparsetrain.nn.sparsify import select_linears
+    from sparsetrain.sparsity.distributions import layer_densities
+    from sparsetrain.sparsity.layout import Block
+
+    kw = sparsify_kwargs
+    try:
+        chosen = select_linears(model, kw["targets"], kw["exclude"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError("sparsity.targets", str(e)) from e
+    block: Block = kw["block"]
+    caps = _caps(format_cls)
+    for name, lin in chosen.items():
+        out_f, in_f = (int(n) for n in lin.weight.shape)
+        if out_f % block.rows or in_f % block.cols:
+            raise ConfigError("sparsity.block", f"{block} does not divide layer {name} ({out_f}, {in_f})")
+        if caps is not None and caps.needs_nm:
+            if block != Block(1, 1):
+                raise ConfigError("sparsity.block", f"must be 1 with sparsity.format={kw['format']} (element "
+                                                    f"masks), got {block}")
+            if out_f % 4 or in_f % 4:
+                raise ConfigError("sparsity.format", f"{kw['format']!r} needs both dimensions divisible by 4; "
+                                                     f"layer {name} is ({out_f}, {in_f})")
+    shapes = {n: tuple(m.weight.shape) for n, m in chosen.items()}
+    try:
+        layer_densities(shapes, kw["density"], kw["distribution"], kw["density_overrides"])
+    except ValueError as e:
+        key = "sparsity.density_overrides" if "density_overrides" in str(e) else "sparsity.density"
+        raise ConfigError(key, str(e)) from e
