@@ -73,7 +73,10 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def check_intact(path: Path) -> None:
-    """Every file ``meta.json`` lists exists with its recorded size (a truncated file raises CheckpointError)."""
+    """Every file ``meta.json`` lists exists with its recorded size (a truncated file raises CheckpointError).
+    A dir given by hand without ``meta.json`` is not checked here (its files are still loaded safely)."""
+    if not (path / META_FILE).is_file():
+        return
     for name, size in (read_meta(path).get("files") or {}).items():
         f = path / name
         if not f.is_file() or f.stat().st_size != size:

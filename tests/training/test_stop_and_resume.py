@@ -100,17 +100,21 @@ def test_nan_weights_are_never_checkpointed(tmp_path):
 
 
 class _Payload:
+    """Unpickling this creates the directory ``path``: proof that a load ran code."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
     def __reduce__(self):
-        return (os.makedirs, (os.environ["SPARSETRAIN_TEST_MARKER"],))
+        return (os.makedirs, (self.path,))
 
 
 @pytest.mark.parametrize("victim", [ckpt.STATE_FILE, ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, "rng_state_0.pt"])
-def test_a_checkpoint_file_that_would_run_code_is_refused(finished_run, tmp_path, monkeypatch, victim):
+def test_a_checkpoint_file_that_would_run_code_is_refused(finished_run, tmp_path, victim):
     marker = tmp_path / "pwned"
-    monkeypatch.setenv("SPARSETRAIN_TEST_MARKER", str(marker))
     bad = tmp_path / "bad" / "checkpoints" / "step_00000012"
     shutil.copytree(finished_run / "checkpoints" / "step_00000012", bad)
-    torch.save({"x": _Payload()}, bad / victim)
+    torch.save({"x": _Payload(marker)}, bad / victim)
     meta = json.loads((bad / ckpt.META_FILE).read_text())      # sizes agree: only the content is hostile
     meta["files"][victim] = (bad / victim).stat().st_size
     (bad / ckpt.META_FILE).write_text(json.dumps(meta))
