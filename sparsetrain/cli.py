@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,37 +54,46 @@ def _sweep(overrides: list[str], limit: int = 256) -> list[list[str]] | None:
     return jobs if len(jobs) <= limit else None
 
 
-def _prevalidate(argv: Sequence[str]) -> str | None:
-    """Compose and validate each job Hydra is about to run, before Hydra creates any run directory: the error
-    line of the first invalid one, else None. Hydra's own flags (``--cfg``, ``--help``, ``-cd``...) and
-    composition errors are left to Hydra, which reports them before creating anything."""
+def _prevalidate(argv: Sequence[str]) -> tuple[str | None, Path | None]:
+    """Compose and validate each job Hydra is about to run, before Hydra creates any run directory. Returns
+    the error line of the first invalid job (or None), and the deepest directory on the way to the run (or
+    sweep) directory that exists now: what a failed run must never remove. Hydra's own flags (``--cfg``,
+    ``--help``, ``-cd``...) and composition errors are left to Hydra, which reports them before creating
+    anything."""
+    from omegaconf import OmegaConf
+
     from sparsetrain.config import ConfigError, compose, validate
 
     flags = [a for a in argv if a.startswith("-")]
     if any(f not in ("-m", "--multirun") for f in flags):
-        return None
+        return None, None
     overrides = [a for a in argv if not a.startswith("-")]
     try:
         jobs = _sweep(overrides) if flags else [overrides]
         for job in jobs or []:
             validate(compose(job))
+        hydra_cfg = compose(jobs[0] if jobs else overrides, return_hydra_config=True)
+        target = Path(str(OmegaConf.select(hydra_cfg, "hydra.sweep.dir" if flags else "hydra.run.dir")))
     except ConfigError as e:
-        return str(e)
+        return str(e), None
     except Exception:  # noqa: BLE001 - anything else (a Hydra parse error...) is Hydra's to report
-        return None
-    return None
+        return None, None
+    existing = target.resolve()
+    while not existing.is_dir():
+        existing = existing.parent
+    return None, existing
 
 
-def _remove_if_new_and_empty(run_dir: Path, since: float) -> None:
-    """Remove ``run_dir`` (and then its parents) while it is empty and unchanged before ``since``: what
-    Hydra created for a run that then failed. A directory that held anything, or that existed untouched
-    before the run started, stays; the working directory and its parents always stay."""
-    cwd = Path.cwd().resolve()
-    keep = {cwd, *cwd.parents}
+def _remove_new_empty_dirs(run_dir: Path, existing: Path | None) -> None:
+    """Remove ``run_dir`` and its parents while they are empty, up to (never including) ``existing``, the
+    deepest directory on the way that existed before Hydra ran: what Hydra created for a run that failed.
+    Nothing is removed when that directory is unknown or is not an ancestor of ``run_dir``."""
     d = run_dir.resolve()
-    while d not in keep and d.parent != d:
+    if existing is None or existing not in d.parents:
+        return
+    while d != existing:
         try:
-            if any(d.iterdir()) or d.stat().st_mtime < since:
+            if any(d.iterdir()):
                 return
             d.rmdir()
         except OSError:
@@ -101,12 +109,11 @@ def cmd_train(argv: Sequence[str]) -> int:
     bad = _check_recipe(argv)
     if bad is not None:
         return bad
-    problem = _prevalidate(argv)
+    problem, existing = _prevalidate(argv)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     register_recipes()
-    started = time.time() - 1.0  # file times are coarser than time.time()
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
     def _app(cfg) -> float | None:
@@ -120,11 +127,11 @@ def cmd_train(argv: Sequence[str]) -> int:
             summary = train(spec, run_dir)
         except (ConfigError, CheckpointError, RunDirError, FileNotFoundError, ValueError) as e:
             # ValueError: structural problems found while building (block/targets vs a pretrained model)
-            _remove_if_new_and_empty(run_dir, started)
+            _remove_new_empty_dirs(run_dir, existing)
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         except BaseException:
-            _remove_if_new_and_empty(run_dir, started)
+            _remove_new_empty_dirs(run_dir, existing)
             raise
         return summary.get("final_eval_loss")
 

@@ -70,8 +70,10 @@ def register_recipes() -> None:
         cs.store(group="recipe", name=path.stem, node=node, package="_global_")
 
 
-def compose(overrides: list[str] | None = None, config_name: str = "train") -> DictConfig:
-    """Compose the training config without running a job (used by `sparsetrain flops` and tests)."""
+def compose(overrides: list[str] | None = None, config_name: str = "train",
+            return_hydra_config: bool = False) -> DictConfig:
+    """Compose the training config without running a job (used by `sparsetrain flops`, the CLI's checks
+    before Hydra runs, and tests)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -79,7 +81,8 @@ def compose(overrides: list[str] | None = None, config_name: str = "train") -> D
     register_recipes()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []),
+                             return_hydra_config=return_hydra_config)
 
 
 # ---- instantiation with an allow-list -------------------------------------------------------------
