@@ -85,40 +85,9 @@ def compose(overrides: list[str] | None = None, config_name: str = "train",
                              return_hydra_config=return_hydra_config)
 
 
-# ---- instantiation with an allow-list -------------------------------------------------------------
-DEFAULT_ALLOWED = ("sparsetrain.", "torch.optim.")
-
-
-def _locate(target: str, key: str) -> Any:
-    """Import ``target``'s module and return the attribute; only after :func:`preflight.check_target_path`
-    (syntax, no standard-library module) has passed, so a refused target never runs module code."""
-    preflight.check_target_path(target, key)
-    module_name, _, attr = target.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(key, f"cannot import module {module_name!r} for _target_ {target!r}: {e}") from e
-    if not hasattr(module, attr):
-        raise ConfigError(key, f"module {module_name!r} has no {attr!r} (_target_ {target!r})")
-    return getattr(module, attr)
-
-
-def resolve_target(node: Any, key: str, base: type | None = None, allowed: tuple[str, ...] = DEFAULT_ALLOWED):
-    """Check a ``_target_``, then import it. Without ``base`` it must come from an allowed module prefix,
-    checked before anything is imported. With ``base`` (policies, schedulers, optimizers) any module may
-    provide it, so users' policies work from YAML: the module is imported (as ``python -m`` would run the
-    user's own code) only once the path is a dotted name outside the standard library, then the class is
-    checked."""
-    if not isinstance(node, (dict, DictConfig)) or "_target_" not in node:
-        raise ConfigError(key, "needs a _target_")
-    target = str(node["_target_"])
-    if base is None and not target.startswith(tuple(allowed)):
-        raise ConfigError(key + "._target_", f"{target!r} is outside the allowed modules {list(allowed)} "
-                                             f"(add its prefix to allowed_targets)")
-    obj = _locate(target, key + "._target_")
-    if base is not None and not (inspect.isclass(obj) and issubclass(obj, base)):
-        raise ConfigError(key + "._target_", f"{target!r} is not a {base.__module__}.{base.__name__} subclass")
-    return obj
+# ---- instantiation with an allow-list (checked before anything is imported: sparsetrain.preflight) -------
+DEFAULT_ALLOWED = preflight.DEFAULT_ALLOWED
+resolve_target = preflight.resolve_target
 
 
 def _plain(node: Any) -> Any:

@@ -1,7 +1,7 @@
-"""Checks that need more than one config value, run by :func:`sparsetrain.config.validate` before any model,
-data or file is touched: values left ``???``, the machine (device, precision), the weight format against the
-scheduler, and the sparsity layout against the model's layers (built on the meta device: names and shapes,
-no memory, no weights read). Each raises :class:`~sparsetrain.config.ConfigError` naming the key.
+"""Checks run by :func:`sparsetrain.config.validate` before any model, data or file is touched: values left
+``???``, ``_target_`` paths (checked before anything is imported), the machine (device, precision), the weight
+format against the scheduler, and the sparsity layout against the model's layers (built on the meta device:
+names and shapes, no memory, no weights read). Each raises :class:`ConfigError` naming the key.
 
 >>> check_machine("cpu", "bf16", cuda_available=False)  # fine
 >>> check_machine("cuda", "no", cuda_available=False)  # doctest: +IGNORE_EXCEPTION_DETAIL
@@ -10,12 +10,15 @@ ConfigError: trainer.device: ...
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigError", "check_format_fits_scheduler", "check_layout", "check_machine", "check_no_missing", "check_target_path"]
+__all__ = ["DEFAULT_ALLOWED", "ConfigError", "check_format_fits_scheduler", "check_layout", "check_machine",
+           "check_no_missing", "check_target_path", "resolve_target"]
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,42 @@ def check_target_path(target: str, key: str) -> None:
     if top in sys.stdlib_module_names or top in sys.builtin_module_names:
         raise ConfigError(key, f"{target!r} comes from the standard library module {top!r}; name a class from "
                                "sparsetrain, torch or your own module")
+
+
+#: ``_target_`` module prefixes allowed without a base-class check (plus the config's ``allowed_targets``)
+DEFAULT_ALLOWED = ("sparsetrain.", "torch.optim.")
+
+
+def _locate(target: str, key: str) -> Any:
+    """Import ``target``'s module and return the attribute; only after :func:`check_target_path`
+    (syntax, no standard-library module) has passed, so a refused target never runs module code."""
+    check_target_path(target, key)
+    module_name, _, attr = target.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(key, f"cannot import module {module_name!r} for _target_ {target!r}: {e}") from e
+    if not hasattr(module, attr):
+        raise ConfigError(key, f"module {module_name!r} has no {attr!r} (_target_ {target!r})")
+    return getattr(module, attr)
+
+
+def resolve_target(node: Any, key: str, base: type | None = None, allowed: tuple[str, ...] = DEFAULT_ALLOWED):
+    """Check a ``_target_``, then import it. Without ``base`` it must come from an allowed module prefix,
+    checked before anything is imported. With ``base`` (policies, schedulers, optimizers) any module may
+    provide it, so users' policies work from YAML: the module is imported (as ``python -m`` would run the
+    user's own code) only once the path is a dotted name outside the standard library, then the class is
+    checked."""
+    if not isinstance(node, (dict, DictConfig)) or "_target_" not in node:
+        raise ConfigError(key, "needs a _target_")
+    target = str(node["_target_"])
+    if base is None and not target.startswith(tuple(allowed)):
+        raise ConfigError(key + "._target_", f"{target!r} is outside the allowed modules {list(allowed)} "
+                                             f"(add its prefix to allowed_targets)")
+    obj = _locate(target, key + "._target_")
+    if base is not None and not (inspect.isclass(obj) and issubclass(obj, base)):
+        raise ConfigError(key + "._target_", f"{target!r} is not a {base.__module__}.{base.__name__} subclass")
+    return obj
 
 
 def _caps(fmt: type) -> Any:
