@@ -125,6 +125,12 @@ def test_layout_errors_name_the_key_and_the_layer():
         validate(compose(["recipe=quickstart", "sparsity.block=3"]))
     assert str(e.value) == "sparsity.block: 3x3 does not divide layer bert.encoder.layer.0.attention.self.query " \
                            "(128, 128)"
+    from sparsetrain.models import build_model
+    from sparsetrain.nn import sparsify
+
+    with pytest.raises(ValueError, match=r"^block 3x3 does not divide layer bert\.encoder\.layer\.0\.attention\."
+                                         r"self\.query \(128, 128\)$"):  # the library says which layer too
+        sparsify(build_model("bert", "tiny", vocab_size=100, seq_len=16), density=0.5, block=3)
     assert _key_of(["sparsity.targets=[*nothing*]"]) == "sparsity.targets"
     assert _key_of(["sparsity.density_overrides={*nothing*: 0.3}"]) == "sparsity.density_overrides"
 

@@ -71,8 +71,11 @@ def sparsify(
     if not isinstance(format, WeightFormat):
         format = resolve_format(format)  # a bad name fails before any layer is swapped
     chosen = select_linears(model, targets, exclude)
-    for lin in chosen.values():
-        grid_shape(lin.weight.shape, block)  # raises naming the shapes when the block does not divide
+    for name, lin in chosen.items():
+        try:
+            grid_shape(lin.weight.shape, block)
+        except ValueError as e:
+            raise ValueError(f"block {block} does not divide layer {name} {tuple(lin.weight.shape)}") from e
     shapes = {n: tuple(m.weight.shape) for n, m in chosen.items()}
     if isinstance(density, dict):
         densities = {n: check_density(density.get(n, 1.0), f"density[{n!r}]") for n in chosen}
