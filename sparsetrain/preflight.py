@@ -110,27 +110,22 @@ def _caps(fmt: type) -> Any:
         return None
 
 
-def _writes_nm_masks(scheduler) -> bool:
-    """Does the scheduler leave every mask N:M? True when it says so (``produces_nm``) or when it never writes
-    masks after sparsify (static topology: the format keeps the masks it chose)."""
-    says = getattr(scheduler, "produces_nm", None)
-    if says is not None:
-        return bool(says)
-    from sparsetrain.sparsity.schedulers import SparseThenDense
-
-    return bool(getattr(scheduler, "static_topology", False)) or isinstance(scheduler, SparseThenDense)
-
-
 def check_format_fits_scheduler(fmt: type, format_spec: str, scheduler) -> None:
-    """A format that needs N:M masks (``FormatCaps.needs_nm``, e.g. ``2:4``) only with a scheduler whose masks
-    are N:M, so that the first mask update cannot fail mid-run."""
+    """The format's capabilities against what the scheduler's updates do, so that the first mask update cannot
+    fail mid-run: N:M formats (``FormatCaps.needs_nm``, e.g. ``2:4``) need N:M masks (``produces_nm``) or masks
+    that never change (``static_topology``); a format that keeps the active count (``block``) or trains a dense
+    master weight cannot follow a scheduler that shrinks the count (``shrinks_count``, gradual pruning)."""
     caps = _caps(fmt)
-    if caps is None or not scheduler.sparse or not caps.needs_nm or _writes_nm_masks(scheduler):
+    if caps is None or not scheduler.sparse:
         return
     name = getattr(scheduler, "name", type(scheduler).__name__)
-    raise ConfigError("sparsity.format", f"{format_spec!r} keeps 2:4 masks, but the {name} scheduler writes "
-                                         "unstructured masks at its updates; use sparsity=sparse_then_dense or "
-                                         "sparsity=static with it, or sparsity.format=masked")
+    if caps.needs_nm and not (scheduler.produces_nm or scheduler.static_topology):
+        raise ConfigError("sparsity.format", f"{format_spec!r} keeps 2:4 masks, but the {name} scheduler writes "
+                                             "unstructured masks at its updates; use sparsity=sparse_then_dense "
+                                             "or sparsity=static with it, or sparsity.format=masked")
+    if scheduler.shrinks_count and (caps.keeps_count or caps.straight_through or caps.needs_nm):
+        raise ConfigError("sparsity.format", f"the {name} scheduler shrinks the active count at its updates, "
+                                             f"which {format_spec!r} cannot hold; use sparsity.format=masked")
 
 
 def check_layout(model, format_cls: type, sparsify_kwargs: dict) -> None:

@@ -120,6 +120,13 @@ def test_two_four_format_needs_a_scheduler_that_keeps_two_four_masks():
     validate(compose(["recipe=vit_24_sparse_then_dense"]))
 
 
+def test_gradual_pruning_with_a_count_keeping_format_is_refused_up_front():
+    # the block format keeps its active count; gradual pruning shrinks it (refused before: only at attach)
+    assert _key_of(["sparsity=gradual", "sparsity.format=block", "sparsity.block=16"]) == "sparsity.format"
+    assert _key_of(["sparsity=gradual", "sparsity.format=masked_st"]) == "sparsity.format"
+    validate(compose(["recipe=quickstart", "sparsity=gradual", "sparsity.format=masked"]))
+
+
 def test_layout_errors_name_the_key_and_the_layer():
     with pytest.raises(ConfigError) as e:
         validate(compose(["recipe=quickstart", "sparsity.block=3"]))

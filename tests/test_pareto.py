@@ -194,6 +194,9 @@ def test_labels_old_and_new_summaries_and_unfinished_runs(tmp_path):
         _make_run(tmp_path / name, method or "unused", 0.1, rng, finished=method is not None)
         if config is not None:
             (tmp_path / name / "config.yaml").write_text(config)
+    import sys
+
+    sys.modules.pop("my_policies", None)  # another test of this process may have imported a module of that name
     labels = {r.path.name: r.method for r in collect_runs([tmp_path])}
     assert labels == {name: label for name, (_, _, label) in runs.items()}
-    assert "my_policies" not in __import__("sys").modules  # a label never imports the user's module
+    assert "my_policies" not in sys.modules  # a label never imports the user's module

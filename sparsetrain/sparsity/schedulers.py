@@ -48,6 +48,10 @@ class SparsityScheduler:
     static_topology: bool = False
     #: Fraction of the training steps the model is sparse (sparse-then-dense: its sparse phase); FLOP totals use it
     sparse_fraction: float = 1.0
+    #: Every mask this scheduler writes is a transposable 2:4 mask (formats with ``needs_nm`` accept it)
+    produces_nm: bool = False
+    #: Its updates shrink the active count (formats with ``keeps_count`` cannot hold its masks)
+    shrinks_count: bool = False
     name: str = "base"
 
     def __init__(self, seed: int = 0) -> None:
@@ -254,6 +258,7 @@ class GradualMagnitude(SparsityScheduler):
     """Zhu & Gupta (2017): prune by magnitude from ``initial_density`` to each layer's target density along
     a cubic schedule, at ``num_updates`` evenly spaced steps in ``[start, end)`` of training."""
 
+    shrinks_count = True
     name = "gradual_magnitude"
 
     def __init__(self, initial_density: float = 1.0, num_updates: int = 100, start: float = 0.0,
@@ -311,6 +316,7 @@ class SparseThenDense(SparsityScheduler):
     gradient; then every layer becomes a plain ``nn.Linear`` reusing the same Parameters, so the optimizer
     is untouched."""
 
+    produces_nm = True
     name = "sparse_then_dense"
 
     def __init__(self, sparse_fraction: float = 0.7, n: int = 2, m: int = 4, seed: int = 0) -> None:
