@@ -220,12 +220,14 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                 or bool(args.checkpoint_every and at % args.checkpoint_every == 0))
 
     def stopped(what: str) -> str:
+        """One line for a non-finite stop: what happened and how to go on from the last good checkpoint."""
         last = ckpt.list_checkpoints(ckpt_root)
         resume = "auto" if last or plan.path is None else str(plan.path)
         where = last[-1] if last else plan.path
+        fix = "change what made it diverge (e.g. a lower optim.optimizer.lr)"
         if where is None:
-            return f"{what}; no checkpoint was written yet: start the run again"
-        return (f"{what}; the last good checkpoint is {where}: continue with "
+            return f"{what}; no checkpoint was written yet: {fix} and start the run again"
+        return (f"{what}; the last good checkpoint is {where}: {fix} and continue with "
                 f"{resume_command(run_dir, args.overrides, resume)}")
 
     # -- 5. the loop -------------------------------------------------------------------------------
