@@ -117,6 +117,8 @@ def cmd_train(argv: Sequence[str]) -> int:
 
     @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
     def _app(cfg) -> float | None:
+        from hydra.core.hydra_config import HydraConfig
+
         from sparsetrain.config import ConfigError, build_run, run_dir_from_hydra
         from sparsetrain.training.checkpoint import CheckpointError
         from sparsetrain.training.loop import RunDirError, train
@@ -124,12 +126,15 @@ def cmd_train(argv: Sequence[str]) -> int:
         run_dir = run_dir_from_hydra()
         try:
             spec = build_run(cfg)
+            spec.train_args.overrides = tuple(HydraConfig.get().overrides.task)  # for the printed resume command
             summary = train(spec, run_dir)
         except (ConfigError, CheckpointError, RunDirError, FileNotFoundError, ValueError) as e:
-            # ValueError: structural problems found while building (block/targets vs a pretrained model)
+            # ValueError: structural problems found while building (block/targets vs a pretrained model).
+            # A stop (SIGTERM/SIGINT: 128 + signal; non-finite loss: 1) carries its own exit code.
             _remove_new_empty_dirs(run_dir, existing)
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+            if os.environ.get("RANK", "0") == "0":  # one line, not one per process
+                print(f"error: {e}", file=sys.stderr)
+            sys.exit(getattr(e, "exit_code", 2))
         except BaseException:
             _remove_new_empty_dirs(run_dir, existing)
             raise

@@ -125,6 +125,11 @@ class SparsityScheduler:
     def describe(self) -> str:
         return self.name
 
+    def is_update_step(self, step: int) -> bool:
+        """Whether ``step(step)`` may rewrite masks: the loop checks the weights are finite before it does (a host
+        sync). A scheduler that does not say is taken to update at every step unless its topology is static."""
+        return not self.static_topology
+
     # -- hooks for subclasses ---------------------------------------------------------------------
     def _on_attach(self) -> None:
         pass
@@ -213,8 +218,11 @@ class PruneRegrow(SparsityScheduler):
             if not want:
                 layer.dense_grad = None
 
+    def is_update_step(self, step: int) -> bool:
+        return self.schedule.is_update_step(step)
+
     def _update(self, step: int) -> dict[str, Any] | None:
-        if not self.schedule.is_update_step(step):
+        if not self.is_update_step(step):
             return None
         frac = self.drop_fn(step)
         grads = self._reduced_grads() if self.policy.needs_grad else {}
@@ -294,8 +302,11 @@ class GradualMagnitude(SparsityScheduler):
         self.schedule = UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
         self.cubic = {name: CubicDensity(self.initial_density(t), t, s, e) for name, t in self.targets.items()}
 
+    def is_update_step(self, step: int) -> bool:
+        return self.schedule.is_update_step(step) or step == self.schedule.end
+
     def _update(self, step):
-        if not (self.schedule.is_update_step(step) or step == self.schedule.end):
+        if not self.is_update_step(step):
             return None
         pruned = 0
         for name, layer in self.layers.items():
@@ -366,6 +377,9 @@ class SparseThenDense(SparsityScheduler):
     @property
     def density(self) -> float:
         return 1.0 if self.switched else self.nm.density
+
+    def is_update_step(self, step: int) -> bool:
+        return not self.switched  # the 2:4 masks follow the weights every step of the sparse phase, then the switch
 
     def _update(self, step):
         if self.switched:

@@ -47,13 +47,7 @@ def mask_update_due(scheduler, step: int) -> bool:
     """Whether ``scheduler.step(step)`` may change masks (the guard checks the weights are finite first)."""
     if not scheduler.sparse or getattr(scheduler, "static_topology", False):
         return False
-    explicit = getattr(scheduler, "is_update_step", None)
-    if callable(explicit):
-        return bool(explicit(step))
-    schedule = getattr(scheduler, "schedule", None)
-    if schedule is not None and hasattr(schedule, "is_update_step"):
-        return bool(schedule.is_update_step(step)) or step == getattr(schedule, "end", None)
-    return True  # a scheduler that does not say: check every step (a sync per step, but never a missed NaN)
+    return bool(scheduler.is_update_step(step))  # SparsityScheduler.is_update_step: False unless it says so
 
 
 class Guard:
