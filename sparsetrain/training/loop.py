@@ -104,6 +104,12 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     model = spec.build_model()
     sparsify_model(model, scheduler, spec.sparsify_kwargs)
 
+    # -- 3. data: read before config.yaml is written, so that a data error leaves the run dir untouched -----
+    data = spec.build_data()
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if hasattr(data, "vocab_size") and vocab is not None and data.vocab_size > vocab:
+        raise ValueError(f"data.vocab_size: the tokenizer has {data.vocab_size} tokens, the model {vocab}")
+
     cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=cpu,
                               log_with="wandb" if args.wandb else None, project_dir=str(run_dir))
@@ -117,11 +123,6 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     raw_opt = getattr(optimizer, "optimizer", optimizer)
     scheduler.attach(inner, raw_opt, total_steps=args.max_steps)
 
-    # -- 3. data ------------------------------------------------------------------------------------
-    data = spec.build_data()
-    vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
-    if hasattr(data, "vocab_size") and vocab is not None and data.vocab_size > vocab:
-        raise ValueError(f"data.vocab_size: the tokenizer has {data.vocab_size} tokens, the model {vocab}")
     batches = Batches(data.train, data.collator, args.batch_size, accelerator.num_processes,
                       accelerator.process_index, args.seed)
     eval_batches = Batches(data.eval, data.collator, args.batch_size, accelerator.num_processes,

@@ -53,3 +53,31 @@ def test_train_from_plain_arguments_runs_under_its_kernel_options(tmp_path):
     assert summary["steps"] == 3 and summary["block"] == "16" and summary["density"] == 0.5
     assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
     assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
+
+
+def test_a_data_error_found_while_reading_leaves_an_existing_run_dir_untouched(tmp_path):
+    """Data problems only reading can find (too little text, a malformed file) come before config.yaml is
+    written: an existing run's config survives a bad restart (issue 19 item 8)."""
+    import pytest
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("earlier: run\n")
+
+    def unreadable_data():
+        raise ValueError("data.files: holds 3 tokens, fewer than one sequence of seq_len=16")
+
+    spec = RunSpec(
+        build_model=lambda: build_model("bert", "tiny", vocab_size=64, seq_len=16, num_hidden_layers=1),
+        build_data=unreadable_data,
+        build_optimizer=optimizer_factory(torch.optim.AdamW, {"lr": 1e-3}),
+        scheduler=Static(),
+        sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
+                             density_overrides=None, block=Block(16, 16), format="masked", init="random", seed=0),
+        train_args=TrainArgs(max_steps=2, batch_size=4, device="cpu", progress=False, plot=False),
+        method="static", block_label="16",
+    )
+    with pytest.raises(ValueError, match="data.files"):
+        train(spec, run)
+    assert (run / "config.yaml").read_text() == "earlier: run\n"
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
