@@ -85,7 +85,13 @@ def load_preprocessor(run_dir: str | Path, model: nn.Module | None = None) -> An
     cfg = _run_config(run_dir)
     target = str(cfg.data._target_)
     if "build_mlm_data" in target:  # the test config.model_builder uses for "this is MLM text"
-        tokenizer = data_builder(cfg)().tokenizer
+        saved = Path(run_dir) / "tokenizer"  # written by the run itself (runs since 2026-11-25)
+        if saved.is_dir():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(saved))
+        else:
+            tokenizer = data_builder(cfg)().tokenizer
         vocab = getattr(getattr(model, "config", None), "vocab_size", None)
         if vocab is not None and len(tokenizer) > vocab:
             raise RuntimeError(f"data.tokenizer: the tokenizer rebuilt from the run's data has {len(tokenizer)} "

@@ -53,6 +53,7 @@ def test_quickstart_learns_and_writes_everything(quickstart_run):
     summary = json.loads((d / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["method"] == "prune_regrow/random"
     assert (d / "curves.png").stat().st_size > 10_000 and (d / "config.yaml").is_file()
+    assert (d / "tokenizer" / "tokenizer.json").is_file()  # the run keeps its own tokenizer (export reads it)
     assert list((d / "wandb").glob("offline-run-*/*.wandb")), "wandb offline run files"
     assert "final eval loss" in r.stdout
 

@@ -74,6 +74,29 @@ def test_text_export_has_the_runs_tokenizer_and_fill_mask_works(tmp_path, umask_
     assert [b["token"] for b in fill(text)] == expected.indices.tolist()
 
 
+def test_export_reads_the_tokenizer_the_run_saved_without_the_data_cache(tmp_path, monkeypatch, capsys):
+    """A run saves its tokenizer in its dir; export uses it even when the data cache and text are gone."""
+    import sparsetrain.config
+    from transformers import AutoTokenizer
+
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    run, ckpt, cfg, _ = _run_dir(tmp_path, [
+        "recipe=quickstart", "data=text_files", f"data.files=[{tmp_path / 'corpus.txt'}]",
+        f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=100", "data.seq_len=16", "data.val_fraction=0.2"])
+    run_tok = data_builder(cfg)().tokenizer
+    run_tok.save_pretrained(str(run / "tokenizer"))  # what training/loop.py writes at the start of a run
+
+    def no_data(cfg):
+        raise AssertionError("export rebuilt the data instead of reading the run's tokenizer")
+
+    monkeypatch.setattr(sparsetrain.config, "data_builder", no_data)
+    (tmp_path / "corpus.txt").unlink()
+    out = tmp_path / "hf"
+    assert main([str(run), "--checkpoint", str(ckpt), "--out", str(out)]) == 0
+    text = "the cow sat on the grass ."
+    assert AutoTokenizer.from_pretrained(out)(text)["input_ids"] == run_tok(text)["input_ids"]
+
+
 def test_image_export_has_the_runs_image_processor(tmp_path, umask_022, capsys):
     from PIL import Image
     from transformers import pipeline

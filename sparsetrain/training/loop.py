@@ -116,6 +116,9 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     main = accelerator.is_main_process
     if main:
         _prepare_run_dir(run_dir, plan, spec.config, accelerator.num_processes)
+        tokenizer = getattr(data, "tokenizer", None)
+        if tokenizer is not None and not (run_dir / "tokenizer").exists():
+            tokenizer.save_pretrained(str(run_dir / "tokenizer"))  # export reads it: the data cache may be gone
     optimizer = spec.build_optimizer(model)
     lr_sched = lr_scheduler(optimizer, args)
     model, optimizer = accelerator.prepare(model, optimizer)
