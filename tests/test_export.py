@@ -76,8 +76,9 @@ def test_text_export_has_the_runs_tokenizer_and_fill_mask_works(tmp_path, umask_
 
 def test_export_reads_the_tokenizer_the_run_saved_without_the_data_cache(tmp_path, monkeypatch, capsys):
     """A run saves its tokenizer in its dir; export uses it even when the data cache and text are gone."""
-    import sparsetrain.config
     from transformers import AutoTokenizer
+
+    import sparsetrain.config
 
     (tmp_path / "corpus.txt").write_text(TEXT)
     run, ckpt, cfg, _ = _run_dir(tmp_path, [
