@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sparsetrain._files import atomic_write, atomic_write_text
 from sparsetrain.data.corpus import cache_root
 from sparsetrain.data.documents import (
     check_text_files,
@@ -59,18 +59,6 @@ class MLMData:
 def _cache_key(**parts) -> str:
     blob = json.dumps({**parts, "format": _CACHE_FORMAT}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)  # each file is self-consistent; between concurrent builders the last wins
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def check_mlm_args(
@@ -192,7 +180,7 @@ def build_mlm_data(
                 tokenizer_json = tok_path.read_text(encoding="utf-8")
             else:
                 tokenizer_json = train_wordpiece([text for _, text in train_docs], vocab_size).to_str()
-                _atomic_write(tok_path, lambda p: Path(p).write_text(tokenizer_json, encoding="utf-8"))
+                atomic_write_text(tok_path, tokenizer_json)
         hf_tokenizer = load_tokenizer(tokenizer, tokenizer_json, seq_len)
         cls_id, sep_id = hf_tokenizer.cls_token_id, hf_tokenizer.sep_token_id
         packed = {
@@ -204,7 +192,7 @@ def build_mlm_data(
             eval_documents=[n for n, _ in eval_docs],
             tokenizer_json=tokenizer_json,
         )
-        _atomic_write(packed_path, lambda p: torch.save(packed, p))
+        atomic_write(packed_path, lambda p: torch.save(packed, p))  # concurrent builders: the last wins
 
     train_ids = packed["train"]
     if max_train_sequences is not None and max_train_sequences < len(train_ids):

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sparsetrain._files import fsync_path
+
 STATE_FILE = "sparsetrain_state.pt"
 META_FILE = "meta.json"
 MODEL_FILE = "pytorch_model.bin"
@@ -106,23 +108,9 @@ def check_compatible(state: dict[str, Any], path: Path, scheduler) -> None:
 
 
 # ---- writing --------------------------------------------------------------------------------------
-def _fsync(path: Path) -> None:
-    """Flush a file's or a directory's entry to disk (directories: POSIX only)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory
-    finally:
-        os.close(fd)
-
-
 def _save(obj: Any, path: Path) -> None:
     torch.save(obj, path)
-    _fsync(path)
+    fsync_path(path)
 
 
 def rng_state() -> dict[str, Any]:
@@ -174,14 +162,14 @@ def save_checkpoint(accelerator, model, optimizer, root: Path, step: int, schedu
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         meta = tmp / META_FILE
         meta.write_text(json.dumps({"step": step, "sparsity": scheduler.name, "files": files}) + "\n")
-        _fsync(meta)
-        _fsync(tmp)
+        fsync_path(meta)
+        fsync_path(tmp)
         os.replace(tmp, final)
-        _fsync(root)
+        fsync_path(root)
         for old in list_checkpoints(root)[:-keep]:
             trash = root / f".trash_{old.name}"
             os.replace(old, trash)          # one atomic step: the checkpoint is whole or gone
-            _fsync(root)
+            fsync_path(root)
             shutil.rmtree(trash, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
@@ -212,7 +200,7 @@ def remove_partial(root: Path) -> list[str]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p.name)
     if removed:
-        _fsync(root)
+        fsync_path(root)
     return removed
 
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
+
+from sparsetrain._files import atomic_write_text
 
 if TYPE_CHECKING:  # annotations are strings here (__future__), so Self costs nothing at run time
     from typing_extensions import Self
@@ -77,58 +78,6 @@ def _dumps(obj: dict) -> str:
 def _decode_row(row: dict) -> dict:
     """Turn the non-finite markers of a flat row back into floats."""
     return {k: NONFINITE_MARKERS.get(v, v) if isinstance(v, str) else v for k, v in row.items()}
-
-
-def _create_temp_beside(path: Path) -> tuple[int, Path]:
-    """Open a new, uniquely named temp file next to `path`, created with mode 0666 minus the umask.
-
-    Not `tempfile.mkstemp`: it creates files 0600, and `os.replace` keeps the temp file's mode, so a
-    summary would end up unreadable to the group and others whatever the user's umask says.
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"could not create a temp file next to {path}")
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` through a temp file in the same folder, fsync and `os.replace`.
-
-    Readers (a plot, the Pareto tool, a resumed run) never see a half-written file, even if the
-    process is killed mid-write; the file gets the mode a plain `open(path, "w")` would give it
-    (0644 under umask 022).
-    """
-    path = Path(path)
-    fd, tmp = _create_temp_beside(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename itself durable (a no-op where directories cannot be opened, e.g. Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def check_row(row: Any) -> None:
