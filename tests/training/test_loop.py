@@ -24,6 +24,19 @@ def _tiny_mlm_data(vocab: int = 64, seq_len: int = 16):
                            vocab_size=vocab, seq_len=seq_len)
 
 
+def _spec(scheduler, args: TrainArgs, build_data=_tiny_mlm_data) -> RunSpec:
+    """A one-layer tiny BERT, half its linears masked in 16x16 blocks, trained by ``args``."""
+    return RunSpec(
+        build_model=lambda: build_model("bert", "tiny", vocab_size=64, seq_len=16, num_hidden_layers=1),
+        build_data=build_data,
+        build_optimizer=optimizer_factory(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
+        scheduler=scheduler,
+        sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
+                             density_overrides=None, block=Block(16, 16), format="masked", init="random", seed=0),
+        train_args=args, method="static", block_label="16",
+    )
+
+
 def test_train_from_plain_arguments_runs_under_its_kernel_options(tmp_path):
     scheduler = Static()
     seen = []
@@ -36,15 +49,7 @@ def test_train_from_plain_arguments_runs_under_its_kernel_options(tmp_path):
     scheduler.step = step_and_record
     args = TrainArgs(max_steps=3, batch_size=4, eval_every=3, eval_batches=1, log_every=1, device="cpu",
                      progress=False, plot=False, recipe="plain", kernels=KernelOptions(dense_fallback=False))
-    spec = RunSpec(
-        build_model=lambda: build_model("bert", "tiny", vocab_size=64, seq_len=16, num_hidden_layers=1),
-        build_data=_tiny_mlm_data,
-        build_optimizer=optimizer_factory(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
-        scheduler=scheduler,
-        sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
-                             density_overrides=None, block=Block(16, 16), format="masked", init="random", seed=0),
-        train_args=args, method="static", block_label="16",
-    )
+    spec = _spec(scheduler, args)
     before = kernel_options()
     summary = train(spec, tmp_path / "run")
     assert [n for n, _ in seen] == [1, 2, 3]
@@ -67,16 +72,8 @@ def test_a_data_error_found_while_reading_leaves_an_existing_run_dir_untouched(t
     def unreadable_data():
         raise ValueError("data.files: holds 3 tokens, fewer than one sequence of seq_len=16")
 
-    spec = RunSpec(
-        build_model=lambda: build_model("bert", "tiny", vocab_size=64, seq_len=16, num_hidden_layers=1),
-        build_data=unreadable_data,
-        build_optimizer=optimizer_factory(torch.optim.AdamW, {"lr": 1e-3}),
-        scheduler=Static(),
-        sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
-                             density_overrides=None, block=Block(16, 16), format="masked", init="random", seed=0),
-        train_args=TrainArgs(max_steps=2, batch_size=4, device="cpu", progress=False, plot=False),
-        method="static", block_label="16",
-    )
+    spec = _spec(Static(), TrainArgs(max_steps=2, batch_size=4, device="cpu", progress=False, plot=False),
+                 build_data=unreadable_data)
     with pytest.raises(ValueError, match="data.files"):
         train(spec, run)
     assert (run / "config.yaml").read_text() == "earlier: run\n"
