@@ -171,6 +171,7 @@ def validate(cfg: DictConfig) -> None:
         _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
     _choice(cfg, "trainer.device", ("auto", "cpu", "cuda"))
     preflight.check_machine(cfg.trainer.device, cfg.trainer.mixed_precision)
+    _check_cuda_graph(cfg)
     clip = cfg.trainer.clip_grad_norm
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError("trainer.clip_grad_norm", f"must be a positive number or null, got {clip!r}")
@@ -332,10 +333,30 @@ def model_builder(cfg: DictConfig) -> Callable:
     return partial(_call, _model_kwargs(cfg), "model", fn)
 
 
+def _data_runtime(cfg: DictConfig, data_fn: Callable) -> dict:
+    """A data builder taking ``emit_positions`` puts ``masked_positions`` in its batches only for a model whose
+    builder says its forward takes them (``build_model.takes_masked_positions``: arch=bert, not a pretrained
+    model of any class)."""
+    if "emit_positions" not in inspect.signature(data_fn).parameters:
+        return {}
+    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    tells = getattr(resolve_target(cfg.model, "model", allowed=allowed), "takes_masked_positions", None)
+    return {"emit_positions": bool(tells is not None and _call(_model_kwargs(cfg), "model", tells))}
+
+
 def data_builder(cfg: DictConfig) -> Callable:
     allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
     fn = resolve_target(cfg.data, "data", allowed=allowed)
-    return partial(_call, cfg.data, "data", fn)
+    return partial(_call, cfg.data, "data", fn, **_data_runtime(cfg, fn))
+
+
+def predictions_per_seq(cfg: DictConfig) -> int | None:
+    """P, the masked positions per sequence the MLM head runs on (``sparsetrain.flops``), from the config alone;
+    None where the head runs on every token (no ``masked_positions`` in the batches)."""
+    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    fn = resolve_target(cfg.data, "data", allowed=allowed)
+    tells = getattr(fn, "predictions_per_seq", None)
+    return None if tells is None else _call(cfg.data, "data", tells, **_data_runtime(cfg, fn))
 
 
 def optimizer_builder(cfg: DictConfig) -> Callable:
@@ -356,6 +377,32 @@ def _sparsify_kwargs(cfg: DictConfig) -> dict:
     )
 
 
+def _check_cuda_graph(cfg: DictConfig) -> None:
+    """``trainer.cuda_graph``: true, false or auto; true only where a whole-step graph can work (the loop's
+    ``sparsetrain.training.step.graph_mode`` decides auto the same way) and with a capturable optimizer."""
+    import os
+
+    import torch
+
+    from sparsetrain.training.step import graph_mode
+
+    t = cfg.trainer
+    setting = t.get("cuda_graph", False)
+    if setting not in (True, False, "auto"):
+        raise ConfigError("trainer.cuda_graph", f"must be true, false or auto, got {setting!r}")
+    if not setting:
+        return
+    on_cuda = t.device != "cpu" and torch.cuda.is_available()
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    cls = resolve_target(cfg.optim.optimizer, "optim.optimizer", base=_optimizer_base())
+    try:
+        graph_mode(setting, on_cuda, processes, str(t.mixed_precision),
+                   t.get("compile_mode") if t.get("compile") else None,
+                   optimizer_capturable="capturable" in inspect.signature(cls).parameters)
+    except ValueError as e:
+        raise ConfigError("trainer.cuda_graph", str(e).split(": ", 1)[1]) from None
+
+
 def build_run(cfg: DictConfig) -> RunSpec:
     """Validate ``cfg`` and turn it into a :class:`RunSpec` (nothing is loaded or written yet)."""
     validate(cfg)
@@ -369,6 +416,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         eval_batches=t.eval_batches, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
         keep_checkpoints=t.keep_checkpoints, resume=t.resume, device=t.device, num_workers=t.num_workers,
         compile=bool(t.get("compile", False)), compile_mode=t.get("compile_mode"),
+        cuda_graph=t.get("cuda_graph", False),
         lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=float(o.min_lr_ratio),
         seed=int(cfg.seed), progress=bool(cfg.logger.progress), plot=bool(cfg.logger.plot),
         wandb=bool(cfg.logger.wandb.enabled), wandb_mode=str(cfg.logger.wandb.mode),

@@ -91,6 +91,28 @@ def test_cuda_graph_compile_needs_a_static_topology(tmp_path):
     build_run(static)  # fine: the masks never change
 
 
+def test_cuda_graph_true_where_it_cannot_work_is_refused_naming_the_key(monkeypatch):
+    """auto turns whole-step graphs on only where they work; true anywhere else is an error before any work."""
+    import torch
+
+    validate(compose(["recipe=quickstart", "trainer.cuda_graph=auto"]))          # auto on a CPU: eager, fine
+    validate(compose(["recipe=quickstart", "trainer.cuda_graph=false"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["recipe=quickstart", "trainer.cuda_graph=true"]))
+    assert e.value.key == "trainer.cuda_graph" and "not on a CUDA device" in str(e.value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for overrides, why in ((["optim=sgd"], "capturable"), (["trainer.mixed_precision=fp16"], "fp16"),
+                           (["trainer.compile=true", "trainer.compile_mode=reduce-overhead", "sparsity=static"],
+                            "compile_mode")):
+        with pytest.raises(ConfigError) as e:
+            validate(compose(["recipe=quickstart", "trainer.cuda_graph=true", "trainer.device=auto", *overrides]))
+        assert e.value.key == "trainer.cuda_graph" and why in str(e.value), str(e.value)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="2 processes"):
+        validate(compose(["recipe=quickstart", "trainer.cuda_graph=true"]))
+
+
 @pytest.mark.parametrize("override,key", [
     ("sparsity.density=1.5", "sparsity.density"),
     ("sparsity.density=0", "sparsity.density"),
@@ -102,6 +124,7 @@ def test_cuda_graph_compile_needs_a_static_topology(tmp_path):
     ("trainer.mixed_precision=fp8", "trainer.mixed_precision"),
     ("trainer.compile=maybe", "trainer.compile"),
     ("trainer.compile_mode=turbo", "trainer.compile_mode"),
+    ("trainer.cuda_graph=sometimes", "trainer.cuda_graph"),
     ("optim.lr_schedule=step", "optim.lr_schedule"),
     ("optim.optimizer.lr=-1", "optim.optimizer.lr"),
     ("trainer.resume=/nonexistent/ckpt", "trainer.resume"),

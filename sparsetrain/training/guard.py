@@ -84,7 +84,8 @@ class Guard:
         if grad_norm is not None and torch.is_tensor(grad_norm):
             ok = ok & torch.isfinite(grad_norm.detach().to(ok.device)).all()
         first = (self._first_bad == -_NO_STEP) & ~ok
-        self._first_bad = torch.where(first, -self._count, self._first_bad)
+        # in place: a CUDA graph that captured this step replays into the same tensors
+        self._first_bad.copy_(torch.where(first, -self._count, self._first_bad))
 
     def poll(self) -> tuple[int | None, int | None]:
         """Read the flags (a sync; a collective when there are several processes, so every process must call

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from sparsetrain.training.metrics import (
 from sparsetrain.training.plots import plot_run
 from sparsetrain.training.resume import RunDirError, StartPlan, check_same_shape, plan_start, resume_command
 from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
+from sparsetrain.training.step import TrainStep, graph_mode, make_graph_safe
 from sparsetrain.training.tracking import end_tracking, init_tracking, log_tracking
 
 __all__ = ["Batches", "RunDirError", "RunStopped", "mask_signature", "train"]
@@ -42,7 +42,11 @@ def _items_in(batch: dict[str, torch.Tensor]) -> tuple[int, str]:
     return len(next(iter(batch.values()))), "samples_per_s"
 
 
-def _to(batch: dict, device) -> dict:
+def _to(batch: dict, device, pin: bool = False) -> dict:
+    """``batch`` on ``device``; ``pin``: through pinned memory, so the copy does not wait for the GPU."""
+    if pin:
+        return {k: v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) else v
+                for k, v in batch.items()}
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -181,6 +185,12 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     # compile_mode=reduce-overhead). Evaluation and checkpoints use the uncompiled module (same parameters).
     compiled = torch.compile(model, mode=args.compile_mode) if args.compile else None
     first_step = step
+    use_graph = graph_mode(args.cuda_graph, accelerator.device.type == "cuda", accelerator.num_processes,
+                           args.mixed_precision, args.compile_mode if args.compile else None,
+                           optimizer_capturable="capturable" in raw_opt.param_groups[0])
+    guard = Guard(accelerator.device, accelerator.num_processes, start_step=step)
+    run_step = _step_runner(model, compiled, optimizer, raw_opt, accelerator, args, guard, use_graph,
+                            lambda: step > first_step)
 
     def evaluate() -> dict[str, float]:
         model.eval()
@@ -240,32 +250,21 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     rate_key = "tokens_per_s" if seq_len else "samples_per_s"
     if torch.cuda.is_available() and not cpu:
         torch.cuda.reset_peak_memory_stats()
-    guard = Guard(accelerator.device, accelerator.num_processes, start_step=step)
     try:
         with guard:
             while step < args.max_steps:
                 t0 = time.perf_counter()
-                loss_acc = torch.zeros((), device=accelerator.device)
-                items = 0
-                for k in range(args.grad_accum):
-                    batch = _to(batches.get(micro), accelerator.device)
+                micro_batches, items = [], 0
+                for _ in range(args.grad_accum):
+                    batch = _to(batches.get(micro), accelerator.device, pin=use_graph)
                     micro += 1
                     n_items, rate_key = _items_in(batch)
                     items += n_items
-                    sync = nullcontext() if k == args.grad_accum - 1 else accelerator.no_sync(model)
-                    fwd = compiled if compiled is not None and step > first_step else model
-                    with sync, accelerator.autocast():
-                        loss = fwd(**batch).loss / args.grad_accum
-                    accelerator.backward(loss)
-                    loss_acc += loss.detach().float()
-                grad_norm = None
-                if args.clip_grad_norm:
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-                optimizer.step()
+                    micro_batches.append(batch)
+                # a step whose layers hand their dense gradient to Python (RigL's grow step) runs eagerly
+                loss_acc = run_step(micro_batches, eager=needs_grad and mask_update_due(scheduler, step + 1))
                 lr_sched.step()
-                optimizer.zero_grad(set_to_none=True)
                 step += 1
-                guard.observe(loss_acc, grad_norm)
                 stop = None
                 if sync_point(step):   # before the sparsity hook: a mask update never runs on NaN weights
                     first_bad, stop = guard.poll()
@@ -276,6 +275,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                 record = scheduler.step(step)                       # the sparsity hook
                 dt_hook = time.perf_counter() - th
                 if record is not None:
+                    run_step.invalidate()                           # the graph read the old index tensors
                     train_flops += flop_count.step_flops(report, is_update_step=True, dense_grad=needs_grad)
                     report = flop_report()                          # density may have changed
                 else:
@@ -292,7 +292,11 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                 if record is not None:
                     log({"step": step, **record, "density": scheduler.density})
                 if step % args.log_every == 0 or step == args.max_steps:
+                    t_sync = time.perf_counter()
                     window["loss"] += float(accelerator.reduce(win_loss.clone(), reduction="mean").item())
+                    wait = time.perf_counter() - t_sync       # the GPU work the host had queued ahead
+                    window["time"] += wait
+                    elapsed += wait
                     win_loss.zero_()
                     row = {"step": step, "loss": window["loss"] / max(1, window["steps"]),
                            "lr": lr_sched.get_last_lr()[0], "train_flops": train_flops,
@@ -347,6 +351,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         "hook_share_non_update_steps": hook_time / step_time if step_time else None,
         "processes": accelerator.num_processes, "ranks_masks_identical": masks_identical,
         "flops_per_step_dense": report.dense_total, "flops_per_step_sparse": report.sparse_total,
+        "step_mode": "cuda_graph" if use_graph else "eager", **run_step.stats(),
     }
     if main:
         write_summary(run_dir, **summary)
@@ -370,3 +375,38 @@ def mask_signature(model: torch.nn.Module) -> torch.Tensor:
         m = layer.mask.detach().flatten().cpu().double()
         sig += ((torch.arange(m.numel(), dtype=torch.float64) + 1) * m).sum() * (i + 1)
     return sig
+
+
+def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainArgs, guard: Guard, use_graph: bool,
+                 compiled_now) -> TrainStep:
+    """The run's :class:`TrainStep`. Eager: Accelerate's backward, no-sync, clip and autocast (any number of
+    processes). Graph: plain torch calls that capture (one process), the optimizer made capturable, autocast
+    without its cast cache."""
+    def forward(batch):
+        fwd = compiled if compiled is not None and compiled_now() else model
+        return fwd(**batch)
+
+    if not use_graph:
+        def clip():
+            if not args.clip_grad_norm:
+                return None
+            return accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+
+        return TrainStep(forward, accelerator.backward, optimizer, clip=clip, observe=guard.observe,
+                         autocast=accelerator.autocast, no_sync=lambda: accelerator.no_sync(model))
+    make_graph_safe(raw_opt, accelerator.device)
+    params = [p for g in raw_opt.param_groups for p in g["params"]]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+
+    def clip():
+        if not args.clip_grad_norm:
+            return None
+        return torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm, foreach=True)
+
+    def autocast():
+        return torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None, cache_enabled=False)
+
+    # a compiled forward compiles on its first call, which must not be a capture: the process's first step
+    # runs the plain model (it tunes the kernels), the second the compiled one, the third is captured
+    return TrainStep(forward, lambda loss: loss.backward(), raw_opt, clip=clip, observe=guard.observe,
+                     autocast=autocast, graph=True, warmup=2 if compiled is not None else 1)

@@ -42,6 +42,8 @@ class TrainArgs:
     num_workers: int = 0
     compile: bool = False
     compile_mode: str | None = None
+    #: Replay each training step from one CUDA graph: True, False or "auto" (see training/step.py).
+    cuda_graph: bool | str = False
     lr_schedule: str = "cosine"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0

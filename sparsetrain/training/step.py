@@ -1,0 +1,196 @@
+"""One optimizer step, run eagerly or replayed from one CUDA graph.
+
+A step is ``grad_accum`` micro-batches of forward and backward, the gradient clip, ``optimizer.step()`` and the
+guard's non-finite check, all on the device with no host sync. :class:`TrainStep` runs it in one of two ways:
+
+- **eager**: the Python of every op runs every step (any device, any number of processes);
+- **graph** (``trainer.cuda_graph``): the whole step, the sparse kernels included, is captured once into a CUDA
+  graph and then replayed, one launch per step, with the batch copied into static input buffers. The host is
+  then free while the GPU works.
+
+What stays outside the graph: the learning-rate update (the optimizer's ``lr`` is a device tensor, refilled
+in place), the sparsity scheduler's hook, logging. A step the graph cannot replay runs eagerly with the very
+same body: the step before a RigL update (its layers hand their dense gradient to Python hooks), and a batch
+whose shapes differ from the captured ones. A mask update rewrites the sparse layers' index tensors, so
+:meth:`TrainStep.invalidate` drops the graph; the next step runs eagerly (it builds the new topology's launch
+plans, which read index counts on the host) and the one after is captured again. Each re-capture costs about
+two eager steps; ``captures`` and ``eager_steps`` count them for the run summary.
+
+Capture rules this module keeps: the optimizer is capturable with its ``lr`` on the device, autocast does not
+cache casts, gradients are ``None`` when capture starts (the graph allocates and then overwrites them), the
+first steps run on a side stream, and every capture of a run shares one memory pool.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import Tensor
+
+Batch = dict[str, Tensor]
+
+
+def graph_mode(setting: bool | str, on_cuda: bool, processes: int, mixed_precision: str,
+               compile_mode: str | None, optimizer_capturable: bool = True) -> bool:
+    """Whether the run replays its steps from a CUDA graph (``trainer.cuda_graph``: true, false or auto). ``auto``
+    means yes on one CUDA device with bf16 or fp32 unless ``torch.compile`` makes graphs of its own; ``true``
+    where that cannot work is an error naming the key (config validation catches it before any work)."""
+    own_graphs = compile_mode in ("reduce-overhead", "max-autotune")
+    blockers = [why for bad, why in ((not on_cuda, "the run is not on a CUDA device"),
+                                     (processes > 1, f"the run has {processes} processes"),
+                                     (mixed_precision == "fp16", "fp16 loss scaling syncs with the host"),
+                                     (own_graphs, f"trainer.compile_mode={compile_mode} captures graphs itself"),
+                                     (not optimizer_capturable, "the optimizer has no 'capturable' option (use "
+                                                                "torch.optim.AdamW or Adam)"))
+                if bad]
+    if setting == "auto":
+        return not blockers
+    if setting and blockers:
+        raise ValueError(f"trainer.cuda_graph: is true but {blockers[0]}; use trainer.cuda_graph=auto or false")
+    return bool(setting)
+
+
+def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Let ``optimizer.step()`` be captured: ``capturable`` on, the step counts and each group's ``lr`` on the
+    device (an LR scheduler then refills the tensor in place, which a replay reads). Raises ``ValueError`` for
+    an optimizer that cannot be captured."""
+    groups = optimizer.param_groups
+    if not groups or "capturable" not in groups[0]:
+        raise ValueError(f"{type(optimizer).__name__} has no 'capturable' option, so its step cannot be replayed "
+                         "from a CUDA graph; use torch.optim.AdamW or Adam (or trainer.cuda_graph=false)")
+    for group in groups:
+        group["capturable"] = True
+        lr = group["lr"]
+        group["lr"] = lr.to(device) if torch.is_tensor(lr) else torch.tensor(float(lr), device=device)
+        if "initial_lr" in group and torch.is_tensor(group["initial_lr"]):
+            group["initial_lr"] = group["initial_lr"].to(device)
+    for state in optimizer.state.values():  # a resumed optimizer: its step counts were loaded on the host
+        if torch.is_tensor(state.get("step")) and state["step"].device != device:
+            state["step"] = state["step"].to(device)
+
+
+class TrainStep:
+    """``step(micro_batches) -> loss`` (a device scalar: the mean micro-batch loss) for one optimizer step.
+
+    ``forward(batch)`` returns the model output (``.loss``); ``backward(loss)``; ``clip()`` returns the gradient
+    norm (or None); ``no_sync()`` is the context for micro-batches before the last (gradient sync off);
+    ``autocast()`` the mixed-precision context; ``observe(loss, grad_norm)`` folds the non-finite check into
+    device flags. With ``graph=True`` (CUDA, one process) steps are replayed from a CUDA graph when they can be.
+    """
+
+    def __init__(self, forward: Callable[[Batch], object], backward: Callable[[Tensor], None],
+                 optimizer: torch.optim.Optimizer, *, clip: Callable[[], Tensor | None],
+                 observe: Callable[[Tensor, Tensor | None], None],
+                 autocast: Callable[[], AbstractContextManager],
+                 no_sync: Callable[[], AbstractContextManager] = nullcontext, graph: bool = False,
+                 warmup: int = 1) -> None:
+        self.forward, self.backward, self.optimizer = forward, backward, optimizer
+        self.clip, self.observe, self.autocast, self.no_sync = clip, observe, autocast, no_sync
+        self.graph_mode = bool(graph)
+        self.warmup = max(1, int(warmup))
+        self.captures = 0      # graphs captured in this process
+        self.replays = 0       # steps replayed from a graph
+        self.eager_steps = 0   # steps run eagerly
+        self.capture_s = 0.0   # host seconds spent capturing
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._pool = None
+        self._static: list[Batch] | None = None
+        self._static_loss: Tensor | None = None
+        self._since_invalidate = 0
+        self._side: torch.cuda.Stream | None = None
+
+    # -- the step's body: the same ops eagerly and under capture ------------------------------------------
+    def _body(self, batches: list[Batch]) -> Tensor:
+        n = len(batches)
+        total: Tensor | None = None
+        for k, batch in enumerate(batches):
+            with (self.no_sync() if k < n - 1 else nullcontext()), self.autocast():
+                loss = self.forward(batch).loss / n
+            self.backward(loss)
+            part = loss.detach().float()
+            total = part if total is None else total + part
+        grad_norm = self.clip()
+        self.optimizer.step()
+        self.observe(total, grad_norm)
+        return total
+
+    def _eager(self, batches: list[Batch]) -> Tensor:
+        if self.captures:  # the gradients may be a graph's buffers: an eager backward must not add to them
+            self.optimizer.zero_grad(set_to_none=True)
+        loss = self._body(batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.eager_steps += 1
+        return loss
+
+    # -- public ---------------------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Drop the graph (the model's tensors it reads were replaced, e.g. by a mask update)."""
+        self._graph = None
+        self._static_loss = None
+        self._since_invalidate = 0
+
+    def __call__(self, batches: list[Batch], *, eager: bool = False) -> Tensor:
+        """Run one optimizer step on ``batches`` (already on the device). ``eager=True`` forces the eager path
+        for this step (e.g. a step whose layers hand gradients to Python hooks)."""
+        if not self.graph_mode:
+            return self._eager(batches)
+        if eager or not self._fits(batches):
+            return self._eager(batches)
+        if self._graph is not None:
+            for dst, src in zip(self._static, batches, strict=True):
+                for k, t in src.items():
+                    dst[k].copy_(t, non_blocking=True)
+            self._graph.replay()
+            self.replays += 1
+            return self._static_loss
+        if self._since_invalidate < self.warmup:
+            # eager steps before a capture build every lazily made launch plan and tuned choice; the first ones
+            # of the process run on a side stream, as capture needs
+            self._since_invalidate += 1
+            if self.captures == 0:
+                self._side = self._side or torch.cuda.Stream()
+                self._side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._side):
+                    loss = self._eager(batches)
+                torch.cuda.current_stream().wait_stream(self._side)
+                return loss
+            return self._eager(batches)
+        return self._capture(batches)
+
+    def _fits(self, batches: list[Batch]) -> bool:
+        """Whether ``batches`` have the captured shapes (or nothing is captured yet)."""
+        if self._static is None:
+            return all(torch.is_tensor(t) and t.is_cuda for b in batches for t in b.values())
+        if len(batches) != len(self._static):
+            return False
+        return all(b.keys() == s.keys() and all(b[k].shape == s[k].shape and b[k].dtype == s[k].dtype for k in b)
+                   for b, s in zip(batches, self._static, strict=True))
+
+    def _capture(self, batches: list[Batch]) -> Tensor:
+        import time
+
+        t0 = time.perf_counter()
+        if self._static is None:
+            self._static = [{k: t.clone() for k, t in b.items()} for b in batches]
+        else:
+            for dst, src in zip(self._static, batches, strict=True):
+                for k, t in src.items():
+                    dst[k].copy_(t, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            loss = self._body(self._static)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graph, self._static_loss = graph, loss
+        self.captures += 1
+        graph.replay()       # capture records the step without running it
+        self.replays += 1
+        self.capture_s += time.perf_counter() - t0
+        return loss
+
+    def stats(self) -> dict[str, float | int]:
+        return {"graph_captures": self.captures, "graph_replays": self.replays, "eager_steps": self.eager_steps,
+                "capture_s": round(self.capture_s, 3)}

@@ -1,0 +1,113 @@
+"""Whole training steps replayed from a CUDA graph (``trainer.cuda_graph``) train the same model as eager steps:
+the same losses (to float tolerance) and the same masks through mask updates, re-captured after each update;
+RigL's dense-gradient steps run eagerly. The graph-mode decision itself is tested on the CPU."""
+import pytest
+import torch
+
+from sparsetrain.sparsity.policies import SET, RigL
+from sparsetrain.sparsity.schedulers import PruneRegrow, Static
+from sparsetrain.training.loop import mask_signature
+from sparsetrain.training.metrics import read_metrics
+from sparsetrain.training.setup import TrainArgs
+from sparsetrain.training.step import TrainStep, graph_mode
+from tests.training.test_loop import _spec
+
+
+def test_graph_mode_auto_and_true():
+    assert graph_mode("auto", True, 1, "bf16", None)
+    assert not graph_mode("auto", False, 1, "bf16", None)                  # CPU: eager
+    assert not graph_mode("auto", True, 2, "bf16", None)                   # several processes: eager
+    assert not graph_mode("auto", True, 1, "fp16", None)                   # loss scaling syncs
+    assert not graph_mode("auto", True, 1, "bf16", "reduce-overhead")      # compile's own graphs
+    assert not graph_mode("auto", True, 1, "no", None, optimizer_capturable=False)
+    assert graph_mode("auto", True, 1, "no", "default")
+    assert not graph_mode(False, True, 1, "bf16", None)
+    with pytest.raises(ValueError, match="trainer.cuda_graph: is true but the run has 2 processes"):
+        graph_mode(True, True, 2, "bf16", None)
+
+
+def test_eager_step_runs_the_body_once_and_clears_gradients():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    seen = []
+
+    class Out:
+        def __init__(self, loss):
+            self.loss = loss
+
+    step = TrainStep(lambda b: Out(lin(b["x"]).pow(2).mean()), lambda loss: loss.backward(), opt,
+                     clip=lambda: None, observe=lambda loss, norm: seen.append(float(loss)),
+                     autocast=lambda: torch.autocast("cpu", enabled=False))
+    x = torch.randn(4, 4)
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    loss = step([{"x": x[:2]}, {"x": x[2:]}])       # two micro-batches: the mean of their losses
+    ref = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        ref.weight.copy_(w0)
+        ref.bias.copy_(b0)
+    want = (ref(x[:2]).pow(2).mean() + ref(x[2:]).pow(2).mean()) / 2
+    want.backward()
+    torch.testing.assert_close(loss, want.detach())
+    torch.testing.assert_close(lin.weight.detach(), w0 - 0.1 * ref.weight.grad)   # one SGD step on the mean
+    assert all(p.grad is None for p in lin.parameters())
+    assert step.eager_steps == 1 and seen == [float(loss)]
+
+
+def _args(**kw) -> TrainArgs:
+    base = dict(max_steps=12, batch_size=8, eval_every=0, log_every=2, device="cuda", progress=False, plot=False,
+                recipe="graph", checkpoint_every=0, mixed_precision="no")
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def _run(tmp_path, name, scheduler, cuda_graph, fmt="block"):
+    spec = _spec(scheduler, _args(cuda_graph=cuda_graph))
+    spec.sparsify_kwargs["format"] = fmt
+    build = spec.build_model
+
+    def build_no_dropout():
+        model = build()
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+        model.config.attention_probs_dropout_prob = 0.0
+        return model
+
+    spec.build_model = build_no_dropout
+    captured = {}
+    original = spec.scheduler.attach
+
+    def attach(model, *a, **k):
+        captured["model"] = model
+        return original(model, *a, **k)
+
+    spec.scheduler.attach = attach
+    summary = train_spec(spec, tmp_path / name)
+    losses = [r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r]
+    return summary, losses, mask_signature(captured["model"])
+
+
+def train_spec(spec, run_dir):
+    from sparsetrain.training.loop import train
+
+    return train(spec, run_dir)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make_scheduler,updates", [
+    (lambda: Static(), 0),
+    (lambda: PruneRegrow(SET(), drop_fraction=0.3, num_updates=3, seed=1), 3),
+    (lambda: PruneRegrow(RigL(), drop_fraction=0.3, num_updates=3, seed=1), 3),
+])
+@pytest.mark.parametrize("fmt", ["block", "masked"])
+def test_graph_steps_train_like_eager_steps(tmp_path, make_scheduler, updates, fmt):
+    eager, eager_losses, eager_sig = _run(tmp_path, "eager", make_scheduler(), False, fmt)
+    graph, graph_losses, graph_sig = _run(tmp_path, "graph", make_scheduler(), True, fmt)
+    assert eager["step_mode"] == "eager" and graph["step_mode"] == "cuda_graph"
+    assert graph["graph_captures"] == 1 + updates                   # one capture, again after every update
+    assert graph["graph_replays"] + graph["eager_steps"] == 12
+    assert graph["graph_replays"] >= 12 - 2 * (1 + updates)
+    assert eager_sig == graph_sig                                   # the same masks after the same updates
+    assert len(eager_losses) == len(graph_losses) == 6
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-4, atol=2e-4)
