@@ -1,7 +1,9 @@
 """BERT and ViT models from transformers configs, by named size; pretrained models for users.
 
 Every size uses an intermediate (MLP) width of 4x hidden and 64-dimensional heads, as the original
-BERT and ViT papers do. Models are randomly initialised unless ``arch="hf"``.
+BERT and ViT papers do. Models are randomly initialised unless ``arch="hf"``. ``arch="bert"`` builds a
+:class:`~sparsetrain.models.mlm.BertForMaskedPositionsLM` (its MLM head runs on the masked positions only);
+a pretrained model keeps its class and its full head (:func:`takes_masked_positions` tells which).
 """
 
 from __future__ import annotations
@@ -134,7 +136,8 @@ def build_model(
 ):
     """Build a randomly initialised BERT (masked LM) or ViT (image classifier), or load a pretrained one.
 
-    ``arch="bert"`` and ``"vit"`` take a ``size`` from :data:`MODEL_SIZES`; ``overrides`` are config
+    ``arch="bert"`` builds a :class:`~sparsetrain.models.mlm.BertForMaskedPositionsLM` (a BertForMaskedLM
+    that also takes ``masked_positions``). ``arch="bert"`` and ``"vit"`` take a ``size`` from :data:`MODEL_SIZES`; ``overrides`` are config
     fields (e.g. ``num_hidden_layers=1``). ``arch="hf"`` loads ``name_or_path`` with
     ``AutoModelForMaskedLM`` (``task="mlm"``) or ``AutoModelForImageClassification``
     (``task="image-classification"``, head resized to ``num_labels``).
@@ -160,9 +163,9 @@ def build_model(
         **overrides,
     )
     if arch == "bert":
-        from transformers import BertForMaskedLM
+        from sparsetrain.models.mlm import BertForMaskedPositionsLM
 
-        return BertForMaskedLM(config)
+        return BertForMaskedPositionsLM(config)
     from transformers import ViTForImageClassification
 
     return ViTForImageClassification(config)
@@ -296,8 +299,21 @@ def build_skeleton(arch: str, size: str = "tiny", **kwargs: Any):
         return auto.from_config(config)
 
 
+def takes_masked_positions(arch: str = "bert", **_unused: Any) -> bool:
+    """Whether :func:`build_model` builds a model whose forward takes ``masked_positions`` (its MLM head runs
+    there only): ``arch="bert"``. A pretrained model (``arch="hf"``, any class) keeps its full head, so its
+    batches must not carry the key.
+
+    >>> takes_masked_positions("bert"), takes_masked_positions("hf", name_or_path="bert-base-uncased")
+    (True, False)
+    """
+    return arch == "bert"
+
+
 build_model.check_args = check_model_args  # what sparsetrain.config calls before anything is built
 build_model.skeleton = build_skeleton
+build_model.takes_masked_positions = takes_masked_positions  # whether the data should emit masked_positions
 
 
-__all__ = ["ARCHS", "MODEL_SIZES", "TASKS", "build_config", "build_model", "build_skeleton", "check_model_args"]
+__all__ = ["ARCHS", "MODEL_SIZES", "TASKS", "build_config", "build_model", "build_skeleton", "check_model_args",
+           "takes_masked_positions"]
