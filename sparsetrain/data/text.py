@@ -31,7 +31,13 @@ from sparsetrain.data.documents import (
     hub_documents,
     shakespeare_documents,
 )
-from sparsetrain.data.mlm import MLMCollator, PackedSequences, pack_documents
+from sparsetrain.data.mlm import (
+    MLMCollator,
+    PackedSequences,
+    check_max_predictions,
+    default_max_predictions,
+    pack_documents,
+)
 from sparsetrain.data.tokenizer import SPECIAL_TOKENS, encode_documents, load_tokenizer, train_wordpiece
 
 if TYPE_CHECKING:  # transformers is imported lazily: it takes seconds and only builds need it
@@ -44,7 +50,10 @@ _CACHE_FORMAT = 1  # bump when the packing or the cache layout changes
 
 @dataclass
 class MLMData:
-    """What :func:`build_mlm_data` returns; build the model with ``vocab_size=data.vocab_size``."""
+    """What :func:`build_mlm_data` returns; build the model with ``vocab_size=data.vocab_size``.
+
+    ``predictions_per_seq`` is P when batches carry ``masked_positions`` (the model's MLM head then runs on
+    P positions per sequence: pass it to :func:`sparsetrain.flops.count_step_flops`), else None."""
 
     train: PackedSequences
     eval: PackedSequences
@@ -52,6 +61,7 @@ class MLMData:
     collator: MLMCollator
     vocab_size: int
     seq_len: int
+    predictions_per_seq: int | None = None
     train_documents: list[str] = field(default_factory=list)
     eval_documents: list[str] = field(default_factory=list)
 
@@ -71,6 +81,7 @@ def check_mlm_args(
     val_fraction: float = 0.05,
     max_train_sequences: int | None = None,
     val_plays: Sequence[str] = DEFAULT_VAL_PLAYS,
+    max_predictions: int | None = None,
     **_unused,
 ) -> None:
     """Cheap checks of :func:`build_mlm_data`'s arguments, before any text is read or tokenizer trained:
@@ -83,6 +94,7 @@ def check_mlm_args(
         raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
     if not 0.0 < mlm_probability < 1.0:
         raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability}")
+    check_max_predictions(max_predictions, seq_len)
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if max_train_sequences is not None and max_train_sequences < 1:
@@ -95,6 +107,19 @@ def check_mlm_args(
         check_text_files([files] if isinstance(files, (str, os.PathLike)) else list(files))
     if source == "hub" and not hub_name:
         raise ValueError("hub_name: source='hub' needs hub_name (a dataset name)")
+
+
+def mlm_predictions_per_seq(seq_len: int = 128, mlm_probability: float = 0.15, max_predictions: int | None = None,
+                            emit_positions: bool = True, **_unused) -> int | None:
+    """What :attr:`MLMData.predictions_per_seq` will be, from :func:`build_mlm_data`'s arguments alone (nothing
+    is read): P when batches carry ``masked_positions``, else None.
+
+    >>> mlm_predictions_per_seq(seq_len=512), mlm_predictions_per_seq(max_predictions=24, emit_positions=False)
+    (77, None)
+    """
+    if not emit_positions:
+        return None
+    return max_predictions or default_max_predictions(mlm_probability, seq_len)
 
 
 def build_mlm_data(
@@ -112,6 +137,8 @@ def build_mlm_data(
     max_train_sequences: int | None = None,
     cache_dir: str | None = None,
     seed: int = 0,
+    max_predictions: int | None = None,
+    emit_positions: bool = True,
 ) -> MLMData:
     """Build packed MLM train/eval sets, a tokenizer and a masking collator.
 
@@ -122,12 +149,18 @@ def build_mlm_data(
     any other string is a pretrained tokenizer name or path. ``max_train_sequences`` keeps a random
     (seeded) subset of the packed training sequences.
 
+    Every sequence masks ``round(mlm_probability * n)`` of its ``n`` maskable tokens, at most
+    ``max_predictions`` (P, default ``ceil(mlm_probability * seq_len)``: BERT's ``max_predictions_per_seq``).
+    With ``emit_positions`` the batches carry ``masked_positions`` [B, P] for a model whose MLM head runs on
+    those positions only (:class:`sparsetrain.models.mlm.BertForMaskedPositionsLM`); turn it off for a model that
+    does not take them (``sparsetrain.config`` asks the model builder).
+
     >>> data = build_mlm_data(vocab_size=4096, seq_len=128)  # doctest: +SKIP
     >>> loader = DataLoader(data.train, batch_size=32, collate_fn=data.collator)  # doctest: +SKIP
     """
     check_mlm_args(source, files, hub_name, seq_len=seq_len, vocab_size=vocab_size,
                    mlm_probability=mlm_probability, val_fraction=val_fraction,
-                   max_train_sequences=max_train_sequences, val_plays=val_plays)
+                   max_train_sequences=max_train_sequences, val_plays=val_plays, max_predictions=max_predictions)
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
 
     if source == "shakespeare":
@@ -213,6 +246,8 @@ def build_mlm_data(
         special_ids=hf_tokenizer.all_special_ids,
         mlm_probability=mlm_probability,
         seed=seed,
+        max_predictions=max_predictions,
+        emit_positions=emit_positions,
     )
     return MLMData(
         train=PackedSequences(train_ids),
@@ -221,12 +256,14 @@ def build_mlm_data(
         collator=collator,
         vocab_size=vocab,
         seq_len=seq_len,
+        predictions_per_seq=mlm_predictions_per_seq(seq_len, mlm_probability, max_predictions, emit_positions),
         train_documents=list(packed["train_documents"]),
         eval_documents=list(packed["eval_documents"]),
     )
 
 
 build_mlm_data.check_args = check_mlm_args  # what sparsetrain.config calls before anything is built
+build_mlm_data.predictions_per_seq = mlm_predictions_per_seq  # what `sparsetrain flops` counts the MLM head on
 
 __all__ = ["DEFAULT_VAL_PLAYS", "SOURCES", "MLMCollator", "MLMData", "PackedSequences", "build_mlm_data",
-           "check_mlm_args", "pack_documents", "train_wordpiece"]
+           "check_mlm_args", "mlm_predictions_per_seq", "pack_documents", "train_wordpiece"]

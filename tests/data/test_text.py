@@ -117,3 +117,28 @@ def test_files_source_holds_out_the_last_documents(tmp_path):
         cache_dir=str(tmp_path / "cache"),
     )
     assert data.eval_documents == ["doc4"]
+
+
+def test_config_wires_max_predictions_and_asks_the_model_whether_to_emit_positions():
+    """data.max_predictions is validated naming its key; masked_positions are emitted only for a model whose
+    builder says it takes them (arch=bert), never for a pretrained model of another class or for images."""
+    from sparsetrain.config import ConfigError, compose, data_builder, predictions_per_seq, validate
+
+    bert = compose(["recipe=quickstart"])  # seq_len 64: P = ceil(0.15 * 64)
+    assert data_builder(bert).keywords == {"emit_positions": True} and predictions_per_seq(bert) == 10
+    assert predictions_per_seq(compose(["recipe=quickstart", "data.max_predictions=12"])) == 12
+    hf = compose(["recipe=quickstart", "model=hf", "model.name_or_path=bert-base-uncased"])
+    assert data_builder(hf).keywords == {"emit_positions": False} and predictions_per_seq(hf) is None
+    vit = compose(["recipe=quickstart", "model=vit_tiny", "data=digits"])
+    assert data_builder(vit).keywords == {} and predictions_per_seq(vit) is None
+    for bad in ("0", "65", "true", "2.5"):
+        with pytest.raises(ConfigError) as e:
+            validate(compose(["recipe=quickstart", f"data.max_predictions={bad}"]))
+        assert e.value.key == "data.max_predictions", str(e.value)
+
+
+def test_batches_carry_masked_positions_for_the_model(mlm):
+    assert mlm.predictions_per_seq == 10  # seq_len 64
+    batch = mlm.collator([mlm.train[i] for i in range(8)])
+    assert sorted(batch) == ["input_ids", "labels", "masked_positions"]  # packed: no attention_mask
+    assert batch["masked_positions"].shape == (8, 10) and (batch["labels"][:, 0] == -100).all()
