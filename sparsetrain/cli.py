@@ -165,7 +165,7 @@ def cmd_flops(argv: Sequence[str]) -> int:
     from omegaconf import OmegaConf
 
     from sparsetrain import flops
-    from sparsetrain.config import ConfigError, build_run, compose
+    from sparsetrain.config import ConfigError, build_run, compose, predictions_per_seq
     from sparsetrain.training.setup import sparsify_model
 
     bad = _check_recipe(argv)
@@ -184,7 +184,8 @@ def cmd_flops(argv: Sequence[str]) -> int:
     global_batch = t.batch_size * t.grad_accum
     seq = OmegaConf.select(cfg, "data.seq_len")
     img = OmegaConf.select(cfg, "data.image_size")
-    report = flops.count_step_flops(model, batch_size=global_batch, seq_len=seq, image_size=img)
+    report = flops.count_step_flops(model, batch_size=global_batch, seq_len=seq, image_size=img,
+                                    predictions_per_seq=predictions_per_seq(cfg))
     print(f"recipe: {cfg.recipe_info.name}   method: {spec.method}   steps: {t.max_steps}")
     print(report.format_table())
     frac = spec.scheduler.sparse_fraction  # sparse-then-dense: dense after the 2:4 phase

@@ -25,12 +25,22 @@ B = batch, L = sequence length, h = heads, k = head dim, H = h*k):
    counts mm/addmm/bmm/baddbmm, convolutions and fused attention kernels), so tests/test_flops.py
    compares like with like.
 9. Every token attends to all L positions (packed sequences carry no padding).
+10. (in _density) Straight-through layers: an effective density of (2*d + 1) / 3.
+11. BERT's MLM head on the masked positions only (a model with ``masked_positions_modules``, given
+    ``predictions_per_seq`` = P): the head's transform dense (H x H) and vocabulary decoder (H x V) see
+    T = B*P gathered rows instead of B*L tokens. Both still cost 3x forward: the gathered rows come from the
+    encoder, so their input gradient is needed too. The gather itself moves data, it is no matmul; and the
+    loss's log-softmax (step 8) runs on B*P rows as well. Without P the head is counted on every token, as
+    the model runs it when batches carry no ``masked_positions``.
 
 >>> from sparsetrain.models.builders import build_model
 >>> bert = build_model("bert", "tiny", vocab_size=1000, seq_len=128)
 >>> report = count_step_flops(bert, batch_size=8, seq_len=128)
 >>> report.sparse_total == report.dense_total
 True
+>>> masked = count_step_flops(bert, batch_size=8, seq_len=128, predictions_per_seq=20)
+>>> next(r.tokens for r in masked.rows if r.name == "cls.predictions.decoder")  # 8 x 20, not 8 x 128
+160
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ class FlopReport:
     rigl_update_extra: float
     batch_size: int
     seq_tokens: int
+    predictions_per_seq: int | None = None
 
     @property
     def sparse_ratio(self) -> float:
@@ -77,8 +88,10 @@ class FlopReport:
             f"{'layer':<{width}}  {'in':>6}  {'out':>6}  {'tokens':>8}  {'density':>7}  "
             f"{'dense':>9}  {'sparse':>9}"
         )
+        head = (f"; MLM head on {self.predictions_per_seq} masked positions per sequence"
+                if self.predictions_per_seq else "")
         lines = [
-            f"FLOPs per training step (fwd + bwd), batch {self.batch_size} x {self.seq_tokens} tokens",
+            f"FLOPs per training step (fwd + bwd), batch {self.batch_size} x {self.seq_tokens} tokens{head}",
             header,
             "-" * len(header),
         ]
@@ -129,13 +142,16 @@ def _first_token_only(name: str) -> bool:
 
 
 def count_step_flops(
-    model: nn.Module, batch_size: int, seq_len: int | None = None, image_size: int | None = None
+    model: nn.Module, batch_size: int, seq_len: int | None = None, image_size: int | None = None,
+    predictions_per_seq: int | None = None,
 ) -> FlopReport:
     """Count the FLOPs of one training step of ``model`` (see the derivation at the top of this file).
 
     Text models need ``seq_len``; vision models (a config with ``image_size`` and ``patch_size``)
     take ``image_size`` from the argument or the config. Sparse layers are any module with
     ``in_features``, ``out_features`` and a ``density`` in (0, 1]; their children are not counted again.
+    ``predictions_per_seq`` is P when the batches carry ``masked_positions`` (``MLMData.predictions_per_seq``):
+    a model that names ``masked_positions_modules`` runs those modules on P positions per sequence (step 11).
 
     >>> from sparsetrain.models.builders import build_model
     >>> vit = build_model("vit", "tiny", image_size=32, patch_size=4, num_hidden_layers=2)
@@ -158,6 +174,12 @@ def count_step_flops(
             raise ValueError(f"seq_len (>= 1) is required for a text model, got {seq_len}")
         seq_tokens = seq_len
     tokens = batch_size * seq_tokens
+    head: tuple[str, ...] = ()
+    if predictions_per_seq is not None:
+        if is_vision or not 1 <= predictions_per_seq <= seq_tokens:
+            raise ValueError(f"predictions_per_seq must be in [1, seq_len={seq_tokens}] for a text model, "
+                             f"got {predictions_per_seq}")
+        head = tuple(getattr(model, "masked_positions_modules", ()))
 
     rows: list[LayerFlops] = []
     counted: list[str] = []
@@ -168,6 +190,8 @@ def count_step_flops(
             density = _density(name, module)
             n_in, n_out = module.in_features, module.out_features
             layer_tokens = batch_size if _first_token_only(name) else tokens
+            if any(name == p or name.startswith(p + ".") for p in head):
+                layer_tokens = batch_size * predictions_per_seq  # step 11
             dense = 3 * 2 * layer_tokens * n_in * n_out  # steps 1-2
         elif isinstance(module, nn.Conv2d):
             if not (
@@ -219,6 +243,7 @@ def count_step_flops(
         rigl_update_extra=float(rigl_extra),
         batch_size=batch_size,
         seq_tokens=seq_tokens,
+        predictions_per_seq=predictions_per_seq if head else None,
     )
 
 

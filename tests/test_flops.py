@@ -28,6 +28,37 @@ def test_bert_tiny_matches_flop_counter():
     assert (decoder.in_features, decoder.out_features, decoder.tokens) == (128, 8192, 256)
 
 
+def test_bert_masked_positions_head_matches_flop_counter():
+    """The MLM head on P masked positions per sequence: counted on B*P rows, as FlopCounterMode sees it run."""
+    from sparsetrain.data.mlm import MLMCollator
+
+    model = build_model("bert", "tiny", vocab_size=8192, seq_len=128)
+    ids = torch.randint(5, 8192, (2, 128))
+    ids[:, 0], ids[:, -1] = 2, 3
+    batch = MLMCollator(mask_token_id=4, vocab_size=8192, special_ids=[0, 1, 2, 3, 4])(
+        [{"input_ids": ids[i], "index": i} for i in range(2)])
+    p = batch["masked_positions"].shape[1]
+    assert p == 20
+    measured = _measured_step_flops(model, **batch)
+    report = count_step_flops(model, batch_size=2, seq_len=128, predictions_per_seq=p)
+    assert report.dense_total == pytest.approx(measured, rel=0.02)
+    head = {r.name: r.tokens for r in report.rows if r.name.startswith("cls.")}
+    assert head == {"cls.predictions.transform.dense": 2 * p, "cls.predictions.decoder": 2 * p}
+    full = count_step_flops(model, batch_size=2, seq_len=128)  # batches without masked_positions
+    saved = 6 * 2 * (128 - p) * (128 * 128 + 128 * 8192)       # step 11: the head on 108 fewer rows each
+    assert full.dense_total - report.dense_total == pytest.approx(saved)
+    assert full.dense_total == pytest.approx(_measured_step_flops(model, input_ids=ids, labels=batch["labels"]),
+                                             rel=0.02)
+    assert "MLM head on 20 masked positions per sequence" in report.format_table()
+    # a model without the masked-positions head runs its head everywhere, whatever the data says
+    from transformers import BertForMaskedLM
+
+    plain = count_step_flops(BertForMaskedLM(model.config), batch_size=2, seq_len=128, predictions_per_seq=p)
+    assert plain.dense_total == full.dense_total and plain.predictions_per_seq is None
+    with pytest.raises(ValueError, match="predictions_per_seq"):
+        count_step_flops(model, batch_size=2, seq_len=128, predictions_per_seq=129)
+
+
 def test_vit_tiny_matches_flop_counter():
     model = build_model("vit", "tiny", image_size=32, patch_size=4, num_hidden_layers=2)
     measured = _measured_step_flops(
@@ -113,3 +144,13 @@ def test_straight_through_layers_count_dense_weight_gradient():
     st = count_step_flops(One("masked_st"), batch_size=t, seq_len=1).sparse_total
     assert hard == pytest.approx(3 * 2 * t * i * o * 0.5)
     assert st == pytest.approx(2 * t * i * o * (2 * 0.5 + 1))
+
+
+def test_flops_command_counts_the_head_on_the_masked_positions(capsys):
+    from sparsetrain.cli import main
+
+    assert main(["flops", "recipe=quickstart"]) == 0  # batch 32 x 64 tokens, P = ceil(0.15 * 64) = 10
+    out = capsys.readouterr().out
+    assert "MLM head on 10 masked positions per sequence" in out
+    decoder = next(line.split() for line in out.splitlines() if line.startswith("cls.predictions.decoder"))
+    assert decoder[3] == str(32 * 10)
