@@ -36,10 +36,12 @@ def _run_config(run_dir: str | Path):
 
 def load_trained_model(run_dir: str | Path, checkpoint: str | Path | None = None) -> nn.Module:
     """Rebuild the run's model from its ``config.yaml`` and load the newest (or given) checkpoint, with every
-    sparse weight multiplied by its mask, as a plain transformers model of ``nn.Linear`` layers."""
+    sparse weight multiplied by its mask, as a plain transformers model of ``nn.Linear`` layers (a BERT trained
+    with the masked-positions head comes back as the ``BertForMaskedLM`` it is to everyone else)."""
     from omegaconf import OmegaConf
 
     from sparsetrain.config import model_builder
+    from sparsetrain.models.mlm import to_masked_lm
     from sparsetrain.sparsity.layout import Block, to_element_mask
     from sparsetrain.training.checkpoint import list_checkpoints
 
@@ -65,7 +67,7 @@ def load_trained_model(run_dir: str | Path, checkpoint: str | Path | None = None
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    return model.eval()
+    return to_masked_lm(model).eval()
 
 
 def load_preprocessor(run_dir: str | Path, model: nn.Module | None = None) -> Any | None:

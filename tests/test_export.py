@@ -60,6 +60,10 @@ def test_text_export_has_the_runs_tokenizer_and_fill_mask_works(tmp_path, umask_
         # every file of the export, the weights included, gets 0644 under umask 022 (safetensors wrote 0600)
         assert set(_modes(folder).values()) == {0o644}, _modes(folder)
     assert "with its tokenizer" in capsys.readouterr().out
+    # trained with the masked-positions head, exported as the BertForMaskedLM it is to everyone else
+    assert type(model).__name__ == "BertForMaskedPositionsLM"
+    assert AutoConfig.from_pretrained(hf).architectures == ["BertForMaskedLM"]
+    assert type(AutoModelForMaskedLM.from_pretrained(hf)).__name__ == "BertForMaskedLM"
     enc = run_tok(text, return_tensors="pt")
     with torch.no_grad():
         probs = model(**enc).logits[0, enc["input_ids"][0].tolist().index(run_tok.mask_token_id)].softmax(-1)
