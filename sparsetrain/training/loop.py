@@ -30,7 +30,7 @@ from sparsetrain.training.metrics import (
 from sparsetrain.training.plots import plot_run
 from sparsetrain.training.resume import RunDirError, StartPlan, check_same_shape, plan_start, resume_command
 from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
-from sparsetrain.training.step import TrainStep, graph_mode, make_graph_safe
+from sparsetrain.training.step import GraphCaptureError, TrainStep, graph_mode, make_graph_safe
 from sparsetrain.training.tracking import end_tracking, init_tracking, log_tracking
 
 __all__ = ["Batches", "RunDirError", "RunStopped", "mask_signature", "train"]
@@ -262,7 +262,17 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                     items += n_items
                     micro_batches.append(batch)
                 # a step whose layers hand their dense gradient to Python (RigL's grow step) runs eagerly
-                loss_acc = run_step(micro_batches, eager=needs_grad and mask_update_due(scheduler, step + 1))
+                eager_step = needs_grad and mask_update_due(scheduler, step + 1)
+                try:
+                    loss_acc = run_step(micro_batches, eager=eager_step)
+                except GraphCaptureError as e:
+                    if args.cuda_graph is True:
+                        raise ValueError(f"trainer.cuda_graph: is true but {e}; set trainer.cuda_graph=false "
+                                         f"or auto") from e
+                    if main:
+                        print(f"warning: {e}; the run goes on with eager steps", flush=True)
+                    run_step.graph_mode = False
+                    loss_acc = run_step(micro_batches, eager=True)
                 lr_sched.step()
                 step += 1
                 stop = None
@@ -351,7 +361,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         "hook_share_non_update_steps": hook_time / step_time if step_time else None,
         "processes": accelerator.num_processes, "ranks_masks_identical": masks_identical,
         "flops_per_step_dense": report.dense_total, "flops_per_step_sparse": report.sparse_total,
-        "step_mode": "cuda_graph" if use_graph else "eager", **run_step.stats(),
+        "step_mode": "cuda_graph" if run_step.graph_mode else "eager", **run_step.stats(),
     }
     if main:
         write_summary(run_dir, **summary)

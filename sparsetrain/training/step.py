@@ -18,7 +18,8 @@ two eager steps; ``captures`` and ``eager_steps`` count them for the run summary
 
 Capture rules this module keeps: the optimizer is capturable with its ``lr`` on the device, autocast does not
 cache casts, gradients are ``None`` when capture starts (the graph allocates and then overwrites them), the
-first steps run on a side stream, and every capture of a run shares one memory pool.
+first steps run on a side stream. A capture that fails (an op in the model reads a value on the host, say)
+raises :class:`GraphCaptureError`; the loop then goes on eagerly under ``trainer.cuda_graph=auto``.
 """
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ import torch
 from torch import Tensor
 
 Batch = dict[str, Tensor]
+
+
+class GraphCaptureError(RuntimeError):
+    """The step could not be captured (nothing was applied to the model: the step can run again eagerly)."""
 
 
 def graph_mode(setting: bool | str, on_cuda: bool, processes: int, mixed_precision: str,
@@ -94,7 +99,6 @@ class TrainStep:
         self.eager_steps = 0   # steps run eagerly
         self.capture_s = 0.0   # host seconds spent capturing
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._pool = None
         self._static: list[Batch] | None = None
         self._static_loss: Tensor | None = None
         self._since_invalidate = 0
@@ -180,10 +184,14 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            loss = self._body(self._static)
-        if self._pool is None:
-            self._pool = graph.pool()
+        try:
+            with torch.cuda.graph(graph):  # a private pool per capture: the dropped graph's pool is freed
+                loss = self._body(self._static)
+        except Exception as e:
+            torch.cuda.synchronize()
+            self.optimizer.zero_grad(set_to_none=True)
+            raise GraphCaptureError(f"the training step could not be captured into a CUDA graph: "
+                                    f"{type(e).__name__}: {e}".splitlines()[0]) from e
         self._graph, self._static_loss = graph, loss
         self.captures += 1
         graph.replay()       # capture records the step without running it
