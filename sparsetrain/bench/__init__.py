@@ -11,6 +11,7 @@ BENCHES = {
     "blocksparse": "sparsetrain.bench.blocksparse",
     "semi24": "sparsetrain.bench.semi24",
     "inference": "sparsetrain.bench.inference",
+    "e2e": "sparsetrain.bench.e2e",
 }
 
 

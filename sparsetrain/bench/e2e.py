@@ -1,0 +1,627 @@
+"""End-to-end training throughput: dense and sparse variants through the real training loop, eager and CUDA graph.
+
+    sparsetrain bench e2e --out $OUT --json $OUT/e2e.json --plot $OUT/e2e.png
+    sparsetrain bench e2e --variants dense,static_b16 --modes graph --steps 40 --breakdown none
+    sparsetrain bench e2e --model vit --extra model=vit_base
+    sparsetrain bench e2e --recipe-map "tiny=quickstart:sparsity=static trainer=cpu_small" --variants tiny
+
+Each variant in each mode is one ``python -m sparsetrain.cli train`` process (fresh memory statistics and tuner
+caches) with the same overrides: ``trainer.max_steps``, ``batch_size``, no eval, no periodic checkpoints, quiet
+logger, ``trainer.cuda_graph=false`` (eager) or ``true`` (graph). The table reads each run's summary.json
+(median window throughput, graph captures / eager steps) and metrics.jsonl (peak memory, window times, mask
+updates). For a dynamic variant the cost of one mask update is derived from the windows: the mean step time of
+windows that contain an update minus that of windows that do not, times the steps per window (window 1, the
+warm-up, is left out), then amortised over the recipe's own interval (its ``max_steps / num_updates``) as a
+share of the update-free step time. ``--breakdown`` adds, per variant and mode, one profiled run (in a process
+of its own) that splits three steps into kernel categories (:func:`classify_kernel`) and host gaps.
+docs/benchmarks/e2e.md explains the columns.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HYDRA_HINT = "HYDRA_FULL_ERROR"
+RESULTS_FILE = "e2e_results.json"
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One thing to benchmark: a recipe and overrides of its own (``--recipe-map name=recipe[:overrides]``)."""
+
+    name: str
+    recipe: str
+    overrides: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """``"static_b64=bert_static:sparsity.block=64 trainer=gpu"`` -> Variant (overrides split on spaces)."""
+        name, sep, rest = text.partition("=")
+        recipe, _, overrides = rest.partition(":")
+        if not sep or not name.strip() or not recipe.strip():
+            raise ValueError(f"--recipe-map wants name=recipe[:overrides], got {text!r}")
+        return cls(name.strip(), recipe.strip(), tuple(overrides.split()))
+
+
+# ViT: recipes/ has no ViT-B GPU recipe; the GPU ViT recipe is vit_24_sparse_then_dense (ViT-L/16, synthetic
+# images), so its variants start from it (``--extra model=vit_base`` for ViT-B).
+DEFAULT_VARIANTS = {
+    "bert": (Variant("dense", "bert_dense"), Variant("static_b64", "bert_static", ("sparsity.block=64",)),
+             Variant("static_b16", "bert_static"), Variant("dynamic_b16", "bert_phase1_dynamic")),
+    "vit": (Variant("dense", "vit_24_sparse_then_dense", ("sparsity=dense",)),
+            Variant("semi24", "vit_24_sparse_then_dense", ("sparsity.scheduler.sparse_fraction=1.0",)),
+            Variant("static_b16", "vit_24_sparse_then_dense",
+                    ("sparsity=static", "sparsity.density=0.1", "sparsity.block=16", "sparsity.format=block"))),
+}
+DEFAULT_BATCH = {"bert": 256, "vit": 64}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sparsetrain bench e2e", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(DEFAULT_VARIANTS), default="bert")
+    p.add_argument("--variants", help="comma separated (default: the model's variants and every --recipe-map)")
+    p.add_argument("--recipe-map", action="append", default=[], type=Variant.parse, metavar="NAME=RECIPE[:OVR]",
+                   help="add or replace a variant: a recipe and space-separated overrides")
+    p.add_argument("--baseline", default="dense", help="the variant ratios are taken against")
+    p.add_argument("--modes", default="eager,graph", help="eager, graph or both")
+    p.add_argument("--extra", action="append", default=[], help="more overrides for every run (space separated)")
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--batch", type=int, help="per-step batch (default: bert 256, vit 64)")
+    p.add_argument("--seq", type=int, default=128, help="data.seq_len of text models")
+    p.add_argument("--log-every", type=int, default=10, help="steps per measured window")
+    p.add_argument("--updates", type=int, help="mask updates of dynamic variants in the run (default: chosen "
+                                                "so that updates fall inside windows, with update-free windows)")
+    p.add_argument("--breakdown", default="dense,static_b16", help="variants profiled per kernel category "
+                                                                   "(none: skip)")
+    p.add_argument("--profile-at", type=int, default=5, help="the breakdown profiles steps N..N+2")
+    p.add_argument("--out", help="run directories (default: a new temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep run directories (checkpoints are always deleted)")
+    p.add_argument("--resume", action="store_true", help="reuse finished runs of the same command in --out")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run")
+    p.add_argument("--json", help="write results here")
+    p.add_argument("--plot", help="write a PNG bar chart here")
+    args = p.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    if bad := [m for m in args.modes if m not in ("eager", "graph")]:
+        p.error(f"--modes: unknown {bad}; use eager, graph or eager,graph")
+    if args.steps < 1 or args.log_every < 1:
+        p.error("--steps and --log-every must be >= 1")
+    table = {v.name: v for v in (*DEFAULT_VARIANTS[args.model], *args.recipe_map)}
+    names = args.variants.split(",") if args.variants else list(table)
+    if unknown := [n for n in names if n not in table]:
+        p.error(f"--variants: unknown {unknown}; known: {sorted(table)} (add one with --recipe-map)")
+    args.variant_list = [table[n] for n in names]
+    args.breakdown = [] if args.breakdown in ("", "none") else [b for b in args.breakdown.split(",") if b in names]
+    args.batch = args.batch or DEFAULT_BATCH[args.model]
+    args.extra = [o for chunk in args.extra for o in chunk.split()]
+    return args
+
+
+# ---- what each run is -----------------------------------------------------------------------------------
+def recipe_facts(variant: Variant) -> dict:
+    """What the recipe, as configured (its own overrides, none of the bench's), says: whether its topology
+    changes (a scheduler taking ``num_updates``), its steps and update interval, whether the data has a
+    ``seq_len``."""
+    import importlib
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from sparsetrain.config import compose
+
+    cfg = compose([f"recipe={variant.recipe}", *variant.overrides])
+    sched = OmegaConf.to_container(cfg.sparsity.scheduler, resolve=False)
+    module, _, name = str(sched["_target_"]).rpartition(".")
+    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    steps, interval, n = int(cfg.trainer.max_steps), sched.get("interval"), sched.get("num_updates")
+    dynamic = "num_updates" in params
+    return {"dynamic": dynamic, "recipe_steps": steps, "recipe_num_updates": n if dynamic else None,
+            "recipe_interval": (interval or steps / n) if dynamic and (interval or n) else None,
+            "start": float(sched.get("start", 0.0)), "end": float(sched.get("end", 1.0)),
+            "has_interval": "interval" in sched,
+            "text": OmegaConf.select(cfg, "data.seq_len") is not None}
+
+
+def update_steps(num_updates: int, steps: int, start: float = 0.0, end: float = 1.0) -> list[int]:
+    """The steps at which a ``num_updates`` scheduler updates in a run of ``steps`` (PruneRegrow's spacing)."""
+    from sparsetrain.sparsity.schedules import UpdateSchedule
+
+    s, e = int(start * steps), max(1, int(round(end * steps)))
+    n = min(num_updates, max(1, e - s - 1))
+    sched = UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
+    return [k for k in range(1, steps + 1) if sched.is_update_step(k)]
+
+
+def auto_updates(steps: int, log_every: int, start: float = 0.0, end: float = 1.0) -> int:
+    """The number of updates for which each update and the two steps after it (an eager step, a re-capture)
+    fall inside one window, none in window 1, with as many update windows as update-free ones."""
+    best, best_score = 1, -1
+    for n in range(1, steps // 2):
+        ups = update_steps(n, steps, start, end)
+        if not ups or any(u <= log_every or u + 2 > steps or (u - 1) % log_every > log_every - 3 for u in ups):
+            continue
+        with_update = {(u - 1) // log_every for u in ups}
+        clean = (steps + log_every - 1) // log_every - 1 - len(with_update)
+        if min(len(with_update), clean) > best_score:
+            best, best_score = n, min(len(with_update), clean)
+    return best
+
+
+def merged(*groups: list[str] | tuple[str, ...]) -> list[str]:
+    """Overrides in order, a later one replacing an earlier one of the same key (``+``/``~`` prefixes aside)."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for o in group:
+            out[o.split("=", 1)[0].lstrip("+~")] = o
+    return list(out.values())
+
+
+def run_overrides(variant: Variant, mode: str, args: argparse.Namespace, facts: dict) -> list[str]:
+    common = ["trainer=gpu", f"trainer.max_steps={args.steps}", f"trainer.batch_size={args.batch}",
+              "trainer.grad_accum=1", "trainer.eval_every=0", f"trainer.log_every={args.log_every}",
+              "trainer.checkpoint_every=0", "logger=quiet", "logger.plot=false",
+              f"trainer.cuda_graph={'true' if mode == 'graph' else 'false'}"]
+    if facts.get("text"):
+        common.append(f"data.seq_len={args.seq}")
+    dynamic = []
+    if facts.get("dynamic"):
+        n = args.updates or auto_updates(args.steps, args.log_every, facts["start"], facts["end"])
+        dynamic = ["sparsity.scheduler.interval=null"] if facts.get("has_interval") else []
+        dynamic.append(f"sparsity.scheduler.num_updates={n}")
+    return merged([f"recipe={variant.recipe}"], common, variant.overrides, dynamic, args.extra)
+
+
+# ---- reading a run --------------------------------------------------------------------------------------
+def last_error_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and HYDRA_HINT not in ln]
+    return lines[-1].removeprefix("error: ")[:300] if lines else ""
+
+
+def read_run(run_dir: Path) -> dict:
+    """The numbers of one finished run: its summary's throughput and step counts, peak memory, window times
+    (``[end_step, steps, seconds]``) and the steps of its mask updates."""
+    from sparsetrain.training.metrics import read_metrics, read_summary
+
+    summary = read_summary(run_dir)
+    if summary is None:
+        raise FileNotFoundError(f"{run_dir}/summary.json is missing")
+    rate_key = "tokens_per_s" if summary.get("tokens_per_s") is not None else "samples_per_s"
+    rows = read_metrics(run_dir)
+    train = sorted((r for r in rows if rate_key in r and "event" not in r), key=lambda r: r["step"])
+    windows, prev_step, prev_s = [], 0, 0.0
+    for r in train:
+        windows.append([r["step"], r["step"] - prev_step, r["elapsed_s"] - prev_s])
+        prev_step, prev_s = r["step"], r["elapsed_s"]
+    peaks = [r["peak_mem_gb"] for r in train if "peak_mem_gb" in r]
+    return {"rate_key": rate_key, "rate": summary.get(rate_key), "peak_gb": max(peaks) if peaks else None,
+            "windows": windows, "updates": [r["step"] for r in rows if r.get("event") == "mask_update"],
+            **{k: summary.get(k) for k in ("step_mode", "graph_captures", "graph_replays", "eager_steps",
+                                           "capture_s", "wall_s")}}
+
+
+def update_cost(windows: list[list], updates: list[int]) -> dict | None:
+    """Seconds one mask update adds, from window times: Σ over windows holding updates of (window seconds −
+    its steps × the mean step time of update-free windows) / updates in them. Window 1 (warm-up) is left out,
+    and so is a window that holds only the two steps after an update (its eager step, its re-capture)."""
+    spans = [(end - steps, end, steps, sec) for end, steps, sec in windows[1:]]
+    hit, clean = [], []
+    for lo, hi, steps, sec in spans:
+        n = sum(lo < u <= hi for u in updates)
+        if n:
+            hit.append((steps, sec, n))
+        elif not any(lo < u + k <= hi for u in updates for k in (1, 2)):
+            clean.append((steps, sec))
+    if not hit or not clean:
+        return None
+    step_s = sum(sec for _, sec in clean) / sum(steps for steps, _ in clean)
+    cost = sum(sec - steps * step_s for steps, sec, _ in hit) / sum(n for *_, n in hit)
+    return {"update_s": cost, "clean_step_s": step_s, "update_windows": len(hit), "clean_windows": len(clean)}
+
+
+def build_table(runs: list[dict], baseline: str = "dense") -> list[dict]:
+    """Rows of the table: each run with its ratios to the baseline (same mode; the baseline's fastest mode),
+    its memory ratio and, for dynamic variants, the update cost amortised over the recipe's interval."""
+    base = {r["mode"]: r for r in runs if r["variant"] == baseline and r.get("rate")}
+    best = max((r["rate"] for r in base.values()), default=None)
+    rows = []
+    for r in runs:
+        row = dict(r)
+        b = base.get(r["mode"])
+        if r.get("rate"):
+            row["x_dense"] = r["rate"] / b["rate"] if b else None
+            row["x_dense_best"] = r["rate"] / best if best else None
+        if r.get("peak_gb") and b and b.get("peak_gb"):
+            row["x_dense_mem"] = r["peak_gb"] / b["peak_gb"]
+        if r.get("dynamic") and r.get("windows") is not None:
+            cost = update_cost(r["windows"], r.get("updates", []))
+            row["update"] = cost
+            if cost and r.get("recipe_interval"):
+                cost["amortised_pct"] = 100 * cost["update_s"] / (r["recipe_interval"] * cost["clean_step_s"])
+        rows.append(row)
+    return rows
+
+
+def _num(v, fmt: str, none: str = "-") -> str:
+    return none if v is None else format(v, fmt)
+
+
+def format_table(rows: list[dict]) -> str:
+    unit = next((r["rate_key"].split("_")[0] for r in rows if r.get("rate_key")), "tokens")
+    head = ["variant", "mode", f"{unit}/s", "x dense", "x dense best", "peak GB", "x mem", "capt/eager",
+            "update ms", "amortised"]
+    lines = []
+    for r in rows:
+        if r.get("error"):
+            lines.append([r["variant"], r["mode"], f"error: {r['error']}"])
+            continue
+        up = r.get("update") or {}
+        amort = (f"{up['amortised_pct']:.2f}% /{r['recipe_interval']:.0f}" if up.get("amortised_pct") is not None
+                 else ("n/a" if r.get("dynamic") else "-"))
+        lines.append([r["variant"], r["mode"], _num(r.get("rate"), ",.0f"), _num(r.get("x_dense"), ".3f"),
+                      _num(r.get("x_dense_best"), ".3f"), _num(r.get("peak_gb"), ".2f"),
+                      _num(r.get("x_dense_mem"), ".3f"), f"{r.get('graph_captures', 0)}/{r.get('eager_steps', 0)}",
+                      _num(up.get("update_s") and 1e3 * up["update_s"], ".1f"), amort])
+    widths = [max([len(head[i]), *(len(ln[i]) for ln in lines if len(ln) == len(head))]) for i in range(len(head))]
+    fmt = [head, ["-" * w for w in widths], *lines]
+    out = ["  ".join(c.ljust(w) if i < 2 or len(ln) < len(head) else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(ln, widths, strict=False))) for ln in fmt]
+    return "\n".join(s.rstrip() for s in out)
+
+
+NOTE = ("update ms: one mask update's cost = (mean step time of windows with an update - that of windows without) "
+        "x steps per window (window 1 left out); amortised: that cost over the recipe's own interval "
+        "(max_steps / num_updates, shown after /) as a % of the update-free step time")
+
+
+# ---- the kernel breakdown -------------------------------------------------------------------------------
+CATEGORY_PATTERNS = (
+    ("block-sparse", ("bs_dds", "bs_dw", "dense_x_blocksparse", "sampled_grad")),
+    ("attention", ("flash", "fmha", "sdpa", "efficient_attention")),
+    ("linears", ("nvjet", "gemm", "cutlass", "sm90_xmma", "splitkreduce", "cublas")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+)
+CATEGORIES = (*(c for c, _ in CATEGORY_PATTERNS), "elementwise")
+
+
+def classify_kernel(name: str) -> str:
+    """The category of a GPU kernel by its name: our block-sparse kernels first (a name may also say gemm),
+    attention before linears (fused attention kernels are cutlass kernels too), everything unnamed is
+    elementwise (norms, activations, dropout, softmax of the loss, copies).
+
+    >>> classify_kernel("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"), classify_kernel("bs_dds_kernel")
+    ('linears', 'block-sparse')
+    """
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORY_PATTERNS if any(k in low for k in keys)), "elementwise")
+
+
+def breakdown(kernels: list[tuple[str, float]], wall_s: float, steps: int) -> dict:
+    """Milliseconds per step per category from ``(kernel name, µs)`` pairs over ``steps`` steps that took
+    ``wall_s``; host gaps = wall − summed kernel time (negative where kernels overlapped)."""
+    ms = dict.fromkeys(CATEGORIES, 0.0)
+    by_name: dict[str, float] = {}
+    for name, us in kernels:
+        ms[classify_kernel(name)] += us / 1e3 / steps
+        by_name[name] = by_name.get(name, 0.0) + us / 1e3 / steps
+    total = sum(ms.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    return {"ms_per_step": ms, "kernels_ms": total, "wall_ms": 1e3 * wall_s / steps,
+            "host_gaps_ms": 1e3 * wall_s / steps - total,
+            "top_kernels": [[n[:120], round(t, 4), classify_kernel(n)] for n, t in top]}
+
+
+def profiled_train(spec, run_dir: Path, first: int, count: int, start, stop) -> dict:
+    """``train(spec, run_dir)`` with ``start()`` called just before optimizer step ``first`` and ``stop()`` just
+    before step ``first + count`` (``TrainStep.__call__`` wrapped for the run): the window is ``count`` whole
+    loop iterations. Returns ``{"steps": count, "calls": ...}``."""
+    from sparsetrain.training import step as step_module
+    from sparsetrain.training.loop import train
+
+    original = step_module.TrainStep.__call__
+    seen = {"calls": 0, "started": False, "stopped": False}
+
+    def wrapped(self, batches, *, eager=False):
+        seen["calls"] += 1
+        if seen["calls"] == first:
+            start()
+            seen["started"] = True
+        elif seen["calls"] == first + count and seen["started"]:
+            stop()
+            seen["stopped"] = True
+        return original(self, batches, eager=eager)
+
+    step_module.TrainStep.__call__ = wrapped
+    try:
+        train(spec, run_dir)
+    finally:
+        step_module.TrainStep.__call__ = original
+    if not seen["stopped"]:
+        raise RuntimeError(f"the run ended after {seen['calls']} steps, before step {first + count}")
+    return {"steps": count, "calls": seen["calls"]}
+
+
+def head_flops_share(overrides: list[str]) -> float:
+    """The MLM head's (or classifier's) share of a step's FLOPs (``sparsetrain.flops``), as the run counts it."""
+    from omegaconf import OmegaConf
+
+    from sparsetrain import flops
+    from sparsetrain.config import build_run, compose, predictions_per_seq
+    from sparsetrain.training.setup import sparsify_model
+
+    cfg = compose(overrides)
+    spec = build_run(cfg)
+    model = spec.build_model()
+    sparsify_model(model, spec.scheduler, spec.sparsify_kwargs, format="masked")
+    report = flops.count_step_flops(model, batch_size=int(cfg.trainer.batch_size),
+                                    seq_len=OmegaConf.select(cfg, "data.seq_len"),
+                                    image_size=OmegaConf.select(cfg, "data.image_size"),
+                                    predictions_per_seq=predictions_per_seq(cfg))
+    heads = (*getattr(model, "masked_positions_modules", ()), "cls", "classifier", "lm_head")
+    head = sum(r.sparse_flops for r in report.rows if r.name.split(".")[0] in heads)
+    return head / report.sparse_total
+
+
+def profile_child(job_path: str) -> int:
+    """In a process of its own: build the run as the CLI does, train with steps N..N+2 under torch.profiler
+    (CUDA activity) and write the breakdown next to the job file."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparsetrain.config import build_run, compose
+
+    job = json.loads(Path(job_path).read_text())
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    clock = {}
+
+    def start():
+        prof.start()
+        torch.cuda.synchronize()
+        clock["t0"] = time.perf_counter()
+
+    def stop():
+        torch.cuda.synchronize()
+        clock["wall"] = time.perf_counter() - clock["t0"]
+        prof.stop()
+
+    spec = build_run(compose(job["overrides"]))
+    info = profiled_train(spec, Path(job["run_dir"]), job["first"], job["count"], start, stop)
+    kernels = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    out = breakdown(kernels, clock["wall"], info["steps"])
+    out["head_flops_share"] = head_flops_share(job["overrides"])
+    Path(job["result"]).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+# ---- running --------------------------------------------------------------------------------------------
+class Bench:
+    """The runs of one invocation. ``<out>/e2e_results.json`` is rewritten after every run; with ``--resume`` a run
+    whose overrides match a finished one there is read from it instead of run again (one command may then be
+    split over several invocations)."""
+
+    def __init__(self, args: argparse.Namespace, argv: list[str]):
+        self.args, self.t0 = args, time.time()
+        self.out = Path(args.out or tempfile.mkdtemp(prefix="sparsetrain-e2e-")).resolve()
+        self.out.mkdir(parents=True, exist_ok=True)
+        saved = self.out / RESULTS_FILE
+        self.done: dict[str, dict] = {}   # run name -> {"key": its overrides, "result": ...}, finished runs only
+        if args.resume and saved.is_file():
+            self.done = json.loads(saved.read_text()).get("done", {})
+        self.results = {"argv": ["sparsetrain", "bench", "e2e", *argv], "env": {}, "runs": [], "table": [],
+                        "breakdown": {}}
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.time() - self.t0:5.0f} s] {msg}", flush=True)
+
+    def save(self) -> None:
+        (self.out / RESULTS_FILE).write_text(json.dumps({**self.results, "done": self.done}, indent=1, default=str))
+
+    def _reused(self, name: str, key: str) -> dict | None:
+        if self.done.get(name, {}).get("key") == key:
+            self.say(f"{name}: reused from {self.out / RESULTS_FILE}")
+            return self.done[name]["result"]
+        return None
+
+    def _spawn(self, name: str, cmd: list[str]) -> tuple[int, str]:
+        """Run ``cmd`` with its output in ``<out>/<name>.log`` (kept when it fails); (exit code, last line)."""
+        log = self.out / f"{name}.log"
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=self.args.timeout, check=False,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
+            except subprocess.TimeoutExpired:
+                return 124, f"timed out after {self.args.timeout:.0f} s"
+        text = log.read_text(errors="replace")
+        if rc == 0 and not self.args.keep:
+            log.unlink()
+        return rc, last_error_line(text) or f"exit {rc}"
+
+    def _cleanup(self, run_dir: Path) -> None:
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        if not self.args.keep:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def train_run(self, variant: Variant, mode: str, facts: dict, index: str) -> dict:
+        name = f"{variant.name}-{mode}"
+        overrides = run_overrides(variant, mode, self.args, facts)
+        key = json.dumps(overrides)
+        if (reused := self._reused(name, key)) is not None:
+            return reused
+        run_dir = self.out / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        self.say(f"{index} {name}: sparsetrain train {' '.join(overrides)}")
+        t = time.time()
+        rc, last = self._spawn(name, [sys.executable, "-m", "sparsetrain.cli", "train", *overrides,
+                                      f"hydra.run.dir={run_dir}"])
+        result = {"variant": variant.name, "mode": mode, "overrides": overrides, "seconds": time.time() - t,
+                  **{k: facts.get(k) for k in ("dynamic", "recipe_interval", "recipe_steps", "recipe_num_updates")}}
+        try:
+            if rc != 0:
+                raise RuntimeError(last)
+            result.update(read_run(run_dir))
+            self.say(f"{index} {name}: {result['rate']:,.0f} {result['rate_key'].replace('_per_s', '/s')}, peak "
+                     f"{_num(result['peak_gb'], '.2f')} GB, {result['graph_captures']} captures / "
+                     f"{result['eager_steps']} eager steps ({result['seconds']:.0f} s)")
+            self.done[name] = {"key": key, "result": result}
+        except Exception as e:  # noqa: BLE001 - a failed run is a row of the table, the bench goes on
+            result["error"] = str(e) or type(e).__name__
+            self.say(f"{index} {name}: FAILED: {result['error']} (log: {self.out / (name + '.log')})")
+        self._cleanup(run_dir)
+        return result
+
+    def profile_run(self, variant: Variant, mode: str, facts: dict) -> dict:
+        name, first = f"{variant.name}-{mode}-profile", self.args.profile_at
+        overrides = merged(run_overrides(variant, mode, self.args, facts), [f"trainer.max_steps={first + 3}"])
+        key = json.dumps(overrides)
+        if (reused := self._reused(name, key)) is not None:
+            return reused
+        run_dir = self.out / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        job = {"overrides": overrides, "run_dir": str(run_dir), "first": first, "count": 3,
+               "result": str(self.out / f"{name}.json")}
+        job_path = self.out / f"{name}.job.json"
+        job_path.write_text(json.dumps(job))
+        self.say(f"breakdown {name}: steps {first}..{first + 2} under torch.profiler")
+        rc, last = self._spawn(name, [sys.executable, "-m", "sparsetrain.bench.e2e", "--profile-child",
+                                      str(job_path)])
+        self._cleanup(run_dir)
+        if rc != 0:
+            self.say(f"breakdown {name}: FAILED: {last}")
+            return {"error": last}
+        result = json.loads(Path(job["result"]).read_text())
+        self.say(f"breakdown {name}: {result['wall_ms']:.2f} ms per step, {result['kernels_ms']:.2f} ms of kernels")
+        self.done[name] = {"key": key, "result": result}
+        return result
+
+    def run(self) -> list[dict]:
+        args = self.args
+        modes = list(args.modes)
+        if "graph" in modes and not _has_cuda():
+            modes.remove("graph")
+            self.say("graph mode needs a CUDA GPU; skipped")
+        self.say(f"run directories under {self.out}" + ("" if args.keep else " (removed after reading)"))
+        self.results["env"] = _env()
+        jobs = [(v, m) for v in args.variant_list for m in modes]
+        facts: dict[str, dict] = {}
+        for i, (variant, mode) in enumerate(jobs, 1):
+            if variant.name not in facts:
+                try:
+                    facts[variant.name] = recipe_facts(variant)
+                except Exception as e:  # noqa: BLE001 - a recipe that does not compose is one failed row
+                    facts[variant.name] = {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+            f = facts[variant.name]
+            if "error" in f:
+                self.say(f"[{i}/{len(jobs)}] {variant.name}-{mode}: FAILED: "
+                         f"{' '.join(['recipe=' + variant.recipe, *variant.overrides])} does not compose: {f['error']}")
+                self.results["runs"].append({"variant": variant.name, "mode": mode, "error": f["error"]})
+                continue
+            self.results["runs"].append(self.train_run(variant, mode, f, f"[{i}/{len(jobs)}]"))
+            self.save()
+        self.results["table"] = build_table(self.results["runs"], args.baseline)
+        todo = [v for v in args.variant_list if v.name in args.breakdown and "error" not in facts.get(v.name, {})]
+        if todo and modes and not _has_cuda():
+            self.say("breakdown needs a CUDA GPU (torch.profiler's CUDA activity); skipped")
+        elif todo:
+            for variant in todo:
+                for mode in modes:
+                    self.results["breakdown"][f"{variant.name}-{mode}"] = self.profile_run(variant, mode,
+                                                                                         facts[variant.name])
+                    self.save()
+        self.save()
+        return self.results["table"]
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _env() -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def format_breakdown(results: dict) -> str:
+    lines = [f"{'run':<24}" + "".join(f"{c:>14}" for c in (*CATEGORIES, "host gaps", "wall")) + "   head FLOPs"]
+    for name, b in results.items():
+        if b.get("error"):
+            lines.append(f"{name:<24}  error: {b['error']}")
+            continue
+        ms = b["ms_per_step"]
+        lines.append(f"{name:<24}" + "".join(f"{ms[c]:>14.2f}" for c in CATEGORIES)
+                     + f"{b['host_gaps_ms']:>14.2f}{b['wall_ms']:>14.2f}   {100 * b['head_flops_share']:.1f}%")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Bars of throughput / the baseline's fastest mode, one group per variant, one bar per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(variants), 4))
+    width = 0.8 / max(1, len(modes))
+    for j, mode in enumerate(modes):
+        vals = [next((r.get("x_dense_best") or 0.0 for r in rows if r["variant"] == v and r["mode"] == mode), 0.0)
+                for v in variants]
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(variants))]
+        bars = ax.bar(xs, vals, width, label=mode)
+        ax.bar_label(bars, labels=[f"{v:.2f}" if v else "x" for v in vals], fontsize=8)
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(variants)), variants)
+    ax.set_ylabel("throughput / dense (its fastest mode)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--profile-child"]:
+        return profile_child(argv[1])
+    args = parse_args(argv)
+    bench = Bench(args, argv)
+    rows = bench.run()
+    print("\n==== end-to-end training throughput ====")
+    print(format_table(rows))
+    if any(r.get("update") for r in rows):
+        print(NOTE)
+    if bench.results["breakdown"]:
+        print("\n==== per-step breakdown (ms per step, 3 profiled steps; head: FLOPs share from sparsetrain.flops, "
+              "not timed) ====")
+        print(format_breakdown(bench.results["breakdown"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(bench.results, indent=1, default=str))
+        print(f"wrote {args.json}")
+    if args.plot:
+        env = bench.results.get("env", {})
+        plot(rows, args.plot, f"{args.model}, batch {args.batch}, {args.steps} steps, {env.get('gpu', 'CPU')}")
+        print(f"wrote {args.plot}")
+    failed = any(r.get("error") for r in rows) or any(b.get("error") for b in bench.results["breakdown"].values())
+    if failed:
+        print(f"logs of the failed runs: {bench.out}")
+    elif not args.keep and not args.out:
+        shutil.rmtree(bench.out, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
