@@ -1,0 +1,250 @@
+"""``sparsetrain bench e2e``: arguments, the table's ratios and the update-cost estimate on hand-written run
+directories, the kernel classifier, the profiled-steps wrapper on a tiny CPU run, and one smoke run through the
+real CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sparsetrain.bench import BENCHES, e2e
+
+
+# ---- arguments and overrides --------------------------------------------------------------------------
+def test_defaults_and_recipe_map():
+    args = e2e.parse_args([])
+    assert [v.name for v in args.variant_list] == ["dense", "static_b64", "static_b16", "dynamic_b16"]
+    assert args.modes == ["eager", "graph"] and args.batch == 256 and args.seq == 128
+    assert args.breakdown == ["dense", "static_b16"] and not args.keep and "e2e" in BENCHES
+
+    args = e2e.parse_args(["--recipe-map", "dense=quickstart:sparsity=dense trainer=cpu_small",
+                           "--recipe-map", "tiny=quickstart", "--variants", "dense,tiny", "--modes", "eager",
+                           "--extra", "+model.attention_probs_dropout_prob=0.0 trainer.seed=1", "--breakdown", "none"])
+    assert args.variant_list == [e2e.Variant("dense", "quickstart", ("sparsity=dense", "trainer=cpu_small")),
+                                 e2e.Variant("tiny", "quickstart")]
+    assert args.modes == ["eager"] and args.breakdown == []
+    assert args.extra == ["+model.attention_probs_dropout_prob=0.0", "trainer.seed=1"]
+    assert e2e.parse_args(["--model", "vit"]).batch == 64
+
+
+@pytest.mark.parametrize("argv", [["--variants", "dense,nope"], ["--modes", "eager,fast"],
+                                  ["--recipe-map", "no_recipe"], ["--steps", "0"]])
+def test_bad_arguments_exit(argv):
+    with pytest.raises(SystemExit):
+        e2e.parse_args(argv)
+
+
+def test_run_overrides_merge_by_key():
+    args = e2e.parse_args(["--steps", "80", "--extra", "trainer.max_steps=90 +model.x=1"])
+    facts = {"text": True, "dynamic": True, "has_interval": True, "start": 0.0, "end": 1.0}
+    v = e2e.Variant("d", "bert_phase1_dynamic", ("trainer=cpu_small",))
+    ov = e2e.run_overrides(v, "graph", args, facts)
+    assert ov[0] == "recipe=bert_phase1_dynamic"
+    assert "trainer=cpu_small" in ov and "trainer=gpu" not in ov          # the variant's group replaces the bench's
+    assert "trainer.max_steps=90" in ov and "trainer.max_steps=80" not in ov  # --extra comes last
+    assert {"trainer.cuda_graph=true", "data.seq_len=128", "+model.x=1", "sparsity.scheduler.interval=null",
+            "sparsity.scheduler.num_updates=4"} <= set(ov)
+    eager = e2e.run_overrides(e2e.Variant("s", "vit_digits"), "eager", args, {"text": False})
+    assert "trainer.cuda_graph=false" in eager and not any("seq_len" in o or "num_updates" in o for o in eager)
+
+
+def test_auto_updates_fall_inside_windows_with_update_free_windows_left():
+    n = e2e.auto_updates(80, 10)
+    ups = e2e.update_steps(n, 80)
+    assert ups == [16, 32, 48, 64]
+    windows = {(u - 1) // 10 for u in ups}
+    assert all(u > 10 and (u + 2 - 1) // 10 == (u - 1) // 10 for u in ups)  # update, eager step, re-capture
+    assert len(windows) == 4 and 8 - 1 - len(windows) == 3
+
+
+def test_recipe_facts_read_the_unmodified_recipe():
+    f = e2e.recipe_facts(e2e.Variant("d", "bert_phase1_dynamic"))
+    assert f["dynamic"] and f["recipe_steps"] == 100000 and f["recipe_num_updates"] == 160
+    assert f["recipe_interval"] == 100000 / 160 and f["text"]
+    assert not e2e.recipe_facts(e2e.Variant("s", "bert_static"))["dynamic"]
+    assert not e2e.recipe_facts(e2e.Variant("v", "vit_24_sparse_then_dense", ("sparsity=dense",)))["text"]
+
+
+# ---- the table, on hand-written run directories ---------------------------------------------------------
+def fake_run(path, window_s, peak=None, updates=(), captures=0, eager=80, items=1000):
+    """A run dir of 8 windows of 10 steps; ``window_s[i]`` seconds for window i."""
+    path.mkdir(parents=True)
+    rows, elapsed = [], 0.0
+    for i, sec in enumerate(window_s):
+        elapsed += sec
+        row = {"step": 10 * (i + 1), "loss": 1.0, "tokens_per_s": 10 * items / sec, "elapsed_s": elapsed}
+        if peak is not None:
+            row["peak_mem_gb"] = peak * (i + 1) / len(window_s)
+        rows.append(row)
+    rows += [{"step": u, "event": "mask_update", "pruned": 5, "regrown": 5} for u in updates]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rates = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
+    (path / "summary.json").write_text(json.dumps({
+        "status": "finished", "tokens_per_s": rates[len(rates) // 2], "step_mode": "cuda_graph" if captures else
+        "eager", "graph_captures": captures, "graph_replays": 80 - eager, "eager_steps": eager,
+        "capture_s": 0.1, "wall_s": elapsed}))
+    return path
+
+
+def test_table_ratios_and_update_cost(tmp_path):
+    def run(name, mode, window_s, peak, **kw):
+        extra = {k: kw.pop(k) for k in ("dynamic", "recipe_interval") if k in kw}
+        return {"variant": name, "mode": mode, **extra, **e2e.read_run(fake_run(tmp_path / f"{name}-{mode}",
+                                                                                window_s, peak, **kw))}
+
+    # update windows (2, 4, 5, 7) take 0.5 s more than the 1.0 s of update-free ones; window 1 is warm-up
+    dyn = [5.0, 1.5, 1.0, 1.5, 1.5, 1.0, 1.5, 1.0]
+    runs = [run("dense", "eager", [4.0] + [2.0] * 7, 10.0), run("dense", "graph", [4.0] + [1.0] * 7, 12.0, captures=1,
+                                                               eager=1),
+            run("static", "eager", [4.0] + [1.6] * 7, 5.0), run("static", "graph", [4.0] + [0.5] * 7, 6.0, captures=1,
+                                                                eager=1),
+            run("dyn", "graph", dyn, 6.0, updates=[16, 32, 48, 64], captures=5, eager=9, dynamic=True,
+                recipe_interval=625.0),
+            {"variant": "broken", "mode": "graph", "error": "CUDA out of memory"}]
+    rows = {(r["variant"], r["mode"]): r for r in e2e.build_table(runs)}
+    assert rows["dense", "graph"]["peak_gb"] == 12.0 and rows["dense", "graph"]["windows"][0] == [10, 10, 4.0]
+    assert rows["static", "eager"]["x_dense"] == pytest.approx(2.0 / 1.6)        # same mode
+    assert rows["static", "eager"]["x_dense_best"] == pytest.approx(1.0 / 1.6)   # dense's fastest mode (graph)
+    assert rows["static", "graph"]["x_dense"] == pytest.approx(2.0)
+    assert rows["static", "graph"]["x_dense_mem"] == pytest.approx(0.5)
+    up = rows["dyn", "graph"]["update"]
+    assert up["update_s"] == pytest.approx(0.5) and up["clean_step_s"] == pytest.approx(0.1)
+    assert (up["update_windows"], up["clean_windows"]) == (4, 3)
+    assert up["amortised_pct"] == pytest.approx(100 * 0.5 / (625 * 0.1))
+    assert "update" not in rows["static", "graph"]
+
+    text = e2e.format_table(list(rows.values()))
+    assert "error: CUDA out of memory" in text and "0.80% /625" in text and "500.0" in text
+    assert [ln.split()[:2] for ln in text.splitlines()[2:]][2] == ["static", "eager"]
+
+
+def test_update_cost_leaves_out_warmup_and_aftermath_windows():
+    windows = [[10, 10, 9.0], [20, 10, 1.3], [30, 10, 1.2], [40, 10, 1.0], [50, 10, 1.0]]
+    # update at 20 (end of window 2): its eager step and re-capture land in window 3, which counts for neither
+    cost = e2e.update_cost(windows, [20])
+    assert (cost["update_windows"], cost["clean_windows"]) == (1, 2)
+    assert cost["update_s"] == pytest.approx(0.3)
+    assert e2e.update_cost(windows, []) is None and e2e.update_cost(windows[:2], [15]) is None
+
+
+# ---- the breakdown --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,category", [
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", "linears"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "linears"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>", "linears"),
+    ("ampere_bf16_s16816gemm_bf16_128x128_ldg8_f2f_stages_32x5_tn", "linears"),
+    ("void bs_dds_kernel<true, 16, 64, 4, 3>(Args)", "block-sparse"),
+    ("bs_dw_kernel", "block-sparse"),
+    ("dense_x_blocksparse_tma_kernel", "block-sparse"),
+    ("sampled_grad_kernel", "block-sparse"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>", "attention"),
+    ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64", "attention"),
+    ("void at::native::(anonymous namespace)::efficient_attention_backward<float>", "attention"),
+    ("void at::native::(anonymous namespace)::fused_adamw_kernel", "optimizer"),
+    ("void at::native::multi_tensor_apply_kernel<at::native::TensorListMetadata<4>, FusedAdamMathFunctor>",
+     "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float>>",
+     "optimizer"),  # the foreach gradient-norm of the clip
+    ("void splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, __nv_bfloat16, true>", "linears"),
+    ("void cublasLt::epilogue::impl::globalKernel<8, 32, float, float, __nv_bfloat16>", "linears"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "elementwise"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16>", "elementwise"),
+    ("Memcpy HtoD (Pinned -> Device)", "elementwise"),
+])
+def test_classify_kernel(name, category):
+    assert e2e.classify_kernel(name) == category
+
+
+def test_breakdown_per_step_and_host_gaps():
+    kernels = [("nvjet_a", 3000.0), ("bs_dds_kernel", 1500.0), ("flash_fwd", 600.0), ("fused_adamw", 300.0),
+               ("layer_norm", 600.0)]
+    b = e2e.breakdown(kernels, wall_s=0.009, steps=3)
+    assert b["ms_per_step"] == pytest.approx({"block-sparse": 0.5, "attention": 0.2, "linears": 1.0,
+                                              "optimizer": 0.1, "elementwise": 0.2})
+    assert b["kernels_ms"] == pytest.approx(2.0) and b["wall_ms"] == pytest.approx(3.0)
+    assert b["host_gaps_ms"] == pytest.approx(1.0) and b["top_kernels"][0][:2] == ["nvjet_a", 1.0]
+    text = e2e.format_breakdown({"dense-eager": {**b, "head_flops_share": 0.12}, "x-graph": {"error": "boom"}})
+    assert "12.0%" in text and "error: boom" in text
+
+
+def test_profiled_train_profiles_whole_loop_iterations(tmp_path, monkeypatch):
+    """A tiny in-process CPU run: start() before step 2, stop() before step 5, the wrapper removed afterwards."""
+    from sparsetrain.config import build_run, compose
+    from sparsetrain.training.step import TrainStep
+
+    original, real_eager, calls = TrainStep.__call__, TrainStep._eager, []
+
+    def eager(self, batches):
+        calls.append("step")
+        return real_eager(self, batches)
+
+    monkeypatch.setattr(TrainStep, "_eager", eager)
+    spec = build_run(compose(["recipe=quickstart", "trainer.max_steps=5", "trainer.batch_size=4", "data.seq_len=32",
+                              "trainer.eval_every=0", "trainer.log_every=5", "logger=quiet", "logger.plot=false",
+                              "trainer.cuda_graph=false"]))
+    info = e2e.profiled_train(spec, tmp_path / "run", 2, 3, lambda: calls.append("start"),
+                              lambda: calls.append("stop"))
+    assert info == {"steps": 3, "calls": 5}
+    assert calls == ["step", "start", "step", "step", "step", "stop", "step"]
+    assert TrainStep.__call__ is original
+    with pytest.raises(RuntimeError, match="before step 9"):
+        e2e.profiled_train(build_run(compose(["recipe=quickstart", "trainer.max_steps=2", "trainer.batch_size=4",
+                                              "data.seq_len=32", "trainer.eval_every=0", "logger=quiet",
+                                              "logger.plot=false"])),
+                           tmp_path / "run2", 6, 3, lambda: None, lambda: None)
+
+
+def test_head_flops_share_counts_the_mlm_head_on_masked_positions():
+    share = e2e.head_flops_share(["recipe=quickstart", "sparsity=dense", "data.seq_len=64"])
+    assert 0.05 < share < 0.6
+
+
+# ---- the real thing -------------------------------------------------------------------------------------
+def test_module_is_cheap_to_import():
+    code = ("import sys, sparsetrain; a = set(sys.modules); import sparsetrain.bench.e2e; "
+            "print(sorted(set(sys.modules) - a))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['sparsetrain.bench', 'sparsetrain.bench.e2e']"
+
+
+def test_smoke_two_variants_through_the_cli(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    out, js, png = tmp_path / "runs", tmp_path / "e2e.json", tmp_path / "e2e.png"
+    rc = e2e.main(["--model", "bert", "--recipe-map", "dense=quickstart:sparsity=dense trainer=cpu_small",
+                   "--recipe-map", "static_b16=quickstart:sparsity=static sparsity.block=16 trainer=cpu_small",
+                   "--variants", "dense,static_b16", "--modes", "eager,graph", "--steps", "3", "--log-every", "1",
+                   "--batch", "8", "--seq", "32", "--out", str(out), "--json", str(js), "--plot", str(png)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    if not torch.cuda.is_available():
+        assert "graph mode needs a CUDA GPU; skipped" in text
+        assert "breakdown needs a CUDA GPU" in text
+    table = text.split("==== end-to-end training throughput ====")[1]
+    rows = {tuple(ln.split()[:2]): ln.split() for ln in table.splitlines()[3:] if ln.startswith(("dense", "static"))}
+    assert rows["dense", "eager"][3] == "1.000" and float(rows["static_b16", "eager"][3]) > 0
+    saved = json.loads(js.read_text())
+    static = next(r for r in saved["table"] if r["variant"] == "static_b16" and r["mode"] == "eager")
+    assert static["x_dense"] > 0 and static["eager_steps"] == 3 and static["rate_key"] == "tokens_per_s"
+    assert png.stat().st_size > 5_000
+    assert not (out / "dense-eager").exists()   # run dirs are removed once read (no --keep)
+
+
+@pytest.mark.gpu
+def test_gpu_graph_mode_and_breakdown(tmp_path, capsys):
+    js = tmp_path / "e2e.json"
+    rc = e2e.main(["--recipe-map", "dense=quickstart:sparsity=dense",
+                   "--recipe-map", "static_b16=quickstart:sparsity=static sparsity.block=16 sparsity.format=block",
+                   "--variants", "dense,static_b16", "--steps", "12", "--log-every", "4", "--batch", "16",
+                   "--seq", "64", "--profile-at", "3", "--out", str(tmp_path / "runs"), "--json", str(js)])
+    assert rc == 0, capsys.readouterr().out
+    saved = json.loads(js.read_text())
+    graph = [r for r in saved["table"] if r["mode"] == "graph"]
+    assert len(graph) == 2 and all(r["graph_captures"] >= 1 and r["peak_gb"] > 0 for r in graph)
+    for name in ("dense-eager", "dense-graph", "static_b16-eager", "static_b16-graph"):
+        b = saved["breakdown"][name]
+        assert b["kernels_ms"] > 0 and b["ms_per_step"]["linears"] + b["ms_per_step"]["block-sparse"] > 0
+        assert 0 < b["head_flops_share"] < 1
+    assert saved["breakdown"]["static_b16-eager"]["ms_per_step"]["block-sparse"] > 0
