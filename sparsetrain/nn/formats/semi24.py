@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sparsetrain.kernels._runtime.eager import eager_only
 from sparsetrain.kernels.semi24 import (
     MODES,
     alg_table,
@@ -50,7 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from sparsetrain.nn.sparse_linear import SparseLinear
 
 
-@torch.compiler.disable
+@eager_only  # torch.compiler.disable on first call: importing it costs ~1 s (torch._dynamo)
 def _semi24_eager(fmt, layer, x: Tensor) -> Tensor:
     """The CUDA 2:4 path (mask kernel, cuSPARSELt packing and products, per-shape plans) always runs eagerly:
     under ``torch.compile`` the layer is a graph break rather than something dynamo would have to trace."""
