@@ -68,7 +68,8 @@ def test_second_call_goes_straight_to_the_compiled_kernel(fake_gpu):
     assert [e[0] for e in jit.log] == ["dispatch", "direct"]
     assert jit.log[0][1] == (5, 1, 1) and jit.log[0][3] == {"BLOCK": 16, "num_warps": 4}
     direct = jit.log[1][1]
-    assert direct[:8] == (5, 1, 1, 7, "fn-handle", "meta", None, fake_gpu.launch_enter_hook)
+    # idle hook chains are passed as None (the launcher would call each empty chain)
+    assert direct[:9] == (5, 1, 1, 7, "fn-handle", "meta", None, None, None)
     # every parameter in order: the runtime arguments, then BLOCK from the kwargs and FLAG's default
     assert direct[9:12] == second and direct[12:] == (16, False)
 
@@ -164,3 +165,37 @@ def test_turning_fast_launch_off_bypasses_a_kept_kernel(fake_gpu):
         launch(*_args())
     launch(*_args())
     assert [e[0] for e in jit.log] == ["dispatch", "dispatch", "direct"]
+
+
+def test_a_plan_tensor_passed_again_is_checked_by_identity(fake_gpu):
+    """A tensor the plan passes at every call (index arrays) is recognized as the same object, without a
+    data_ptr() call; written in place to a misaligned view (set_), or replaced, it is checked again."""
+    jit = _Jit()
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16})
+    x, idx, n = _args()
+    launch(x, idx, n)
+    launch(_args()[0], idx, n)
+    assert [e[0] for e in jit.log] == ["dispatch", "direct"]
+    storage = torch.zeros(9, dtype=torch.int32)
+    idx.set_(storage.untyped_storage(), 1, (8,), (1,))  # same object, now 4-byte aligned only
+    launch(_args()[0], idx, n)
+    assert jit.log[-1][0] == "dispatch"
+    launch(_args()[0], torch.zeros(8, dtype=torch.int32), n)  # another, aligned tensor: direct
+    assert jit.log[-1][0] == "direct"
+
+
+def test_a_first_call_tensor_is_not_kept_alive(fake_gpu):
+    import gc
+    import weakref
+
+    jit = _Jit()
+    launch = KernelLaunch(jit, (5,), {"BLOCK": 16})
+    x, idx, n = _args()
+    launch(x, idx, n)
+    ref = weakref.ref(x)
+    del x
+    jit.log.clear()  # the stand-in dispatcher logs its arguments
+    gc.collect()
+    assert ref() is None
+    launch(*_args())
+    assert [e[0] for e in jit.log] == ["direct"]

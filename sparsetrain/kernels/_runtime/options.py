@@ -48,6 +48,10 @@ class KernelOptions:
 
 
 _CURRENT = [KernelOptions()]
+#: The options in force, as a one-element list: a per-launch check reads ``IN_FORCE[0]`` (a list read, where
+#: :func:`kernel_options` is a Python call). Replaced, never changed in place, so an identity check tells
+#: whether they changed.
+IN_FORCE = _CURRENT
 
 
 def kernel_options() -> KernelOptions:

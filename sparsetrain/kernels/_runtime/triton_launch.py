@@ -17,15 +17,23 @@ decides on has changed:
 
 Otherwise the call goes through the dispatcher, exactly as before. Triton knobs changed after the first launch
 (e.g. ``TRITON_DEBUG``) are not seen by a kernel already kept.
+
+The direct call is the host cost of every step, so it is written for few Python calls: the check is one
+generated expression in which a tensor costs one ``data_ptr()`` call (type, dtype and device are attribute
+reads), or none when it is the very tensor object of the first call (the plan's own index tensors: plain
+tensors without gradient, compared through a weak reference, so that no call's tensors are kept alive); idle
+launch hooks are passed to the launcher as ``None`` (an empty hook chain would be called twice per launch);
+the compiled kernel's launcher, function handle and metadata are read once.
 """
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels._runtime.options import kernel_options
+from sparsetrain.kernels._runtime.options import IN_FORCE
 
 _RUNTIME = []  # [triton.knobs.runtime] once imported ([] before; [None] for a Triton without knobs)
 
@@ -40,10 +48,6 @@ def _runtime():
     return _RUNTIME[0]
 
 
-def _idle(hook) -> bool:
-    return hook is None or (hasattr(hook, "calls") and not hook.calls)
-
-
 def _descriptor_fields(d) -> dict:
     out = {}
     for k in ("shape", "strides", "block_shape", "padding", "round_f32_to_tf32"):
@@ -55,16 +59,25 @@ def _descriptor_fields(d) -> dict:
 def _checker(args: tuple):
     """A function telling whether a later argument tuple has the same specialization as ``args`` (the rules in
     the module docstring). Generated as one expression, like Triton's own argument binder, so that the check
-    costs one to two microseconds. None if an argument is of a kind not handled here."""
-    env: dict = {"Tensor": Tensor, "_fields": _descriptor_fields}
+    costs one to two microseconds. None if an argument is of a kind not handled here. It raises AttributeError
+    for an object without a tensor's attributes where the first call had a tensor."""
+    env: dict = {"_fields": _descriptor_fields}
     conds = [f"len(a) == {len(args)}"]
     for i, v in enumerate(args):
         x = f"a[{i}]"
         if isinstance(v, Tensor):
-            env[f"d{i}"] = v.dtype
+            # no isinstance(): an object without a tensor's dtype raises AttributeError, which the caller catches
+            env[f"d{i}"], env[f"g{i}"] = v.dtype, v.device
             aligned = "==" if v.data_ptr() % 16 == 0 else "!="
-            conds.append(f"isinstance({x}, Tensor) and {x}.dtype is d{i} and {x}.get_device() == {v.get_device()} "
-                         f"and {x}.data_ptr() % 16 {aligned} 0")
+            same = f"{x}.dtype is d{i} and {x}.device == g{i} and {x}.data_ptr() % 16 {aligned} 0"
+            if type(v) is Tensor and not v.requires_grad:
+                # a plan's own tensor (index arrays): the same object, never written, at every call. A weak
+                # reference, so that a call's activation is not kept alive; an in-place write (``set_``) bumps the
+                # version, and the dtype and device are compared again for ``.data =``
+                env[f"w{i}"], env[f"n{i}"] = weakref.ref(v), v._version
+                same = (f"({x} is w{i}() and {x}._version == n{i} and {x}.dtype is d{i} and {x}.device == g{i} "
+                        f"or {same})")
+            conds.append(same)
         elif type(v).__name__ == "TensorDescriptor" and isinstance(getattr(v, "base", None), Tensor):
             # a host-made descriptor: its base pointer may change; everything else the same as at the first call
             env[f"t{i}"], env[f"d{i}"], env[f"f{i}"] = type(v), v.base.dtype, _descriptor_fields(v)
@@ -84,35 +97,45 @@ def _on_gpu(tensors: list[Tensor]) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
-def _stream(device_index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device_index)
+#: ``_stream(device_index)``: the current CUDA stream as the integer the launcher takes (absent without CUDA).
+_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class KernelLaunch:
     """``fn[grid](*args, **kwargs)`` with a fixed grid and fixed keyword arguments (constexprs and launch options
     such as ``num_warps``); see the module docstring for when a call skips the dispatcher."""
 
-    __slots__ = ("fn", "grid", "kwargs", "compiled", "tail", "same", "device", "refused")
+    __slots__ = ("fn", "grid", "kwargs", "compiled", "run", "function", "metadata", "tail", "same", "device",
+                 "refused")
 
     def __init__(self, fn, grid: tuple[int, ...], kwargs: dict):
         self.fn, self.kwargs = fn, kwargs
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
-        self.compiled = self.tail = self.same = self.device = None
+        self.compiled = self.run = self.function = self.metadata = self.tail = self.same = self.device = None
         self.refused = False  # a first call whose arguments cannot take the direct path: not looked at again
 
     def __call__(self, *args) -> None:
-        c = self.compiled
-        fast = kernel_options().fast_launch
-        if c is not None and fast and self.same(args):
+        run = self.run
+        fast = IN_FORCE[0].fast_launch
+        if run is not None and fast:
+            try:
+                same = self.same(args)
+            except AttributeError:  # e.g. None or a descriptor where a tensor was
+                same = False
+        if run is not None and fast and same:
             rt = _RUNTIME[0]
             enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
-            if _idle(enter) and _idle(leave):
+            try:
+                idle = (enter is None or not enter.calls) and (leave is None or not leave.calls)
+            except AttributeError:  # a hook that is not a chain (older Triton): the dispatcher calls it
+                idle = False
+            if idle:
                 g = self.grid
-                c.run(g[0], g[1], g[2], _stream(self.device), c.function, c.packed_metadata, None, enter, leave,
-                      *args, *self.tail)
+                run(g[0], g[1], g[2], _stream(self.device), self.function, self.metadata, None, None, None, *args,
+                    *self.tail)
                 return
         kernel = self.fn[self.grid](*args, **self.kwargs)
-        if c is None and fast and not self.refused:
+        if run is None and fast and not self.refused:
             self._keep(kernel, args)
             self.refused = self.compiled is None
 
@@ -136,5 +159,5 @@ class KernelLaunch:
             else:
                 return
         self.tail, self.same, self.device = tuple(tail), same, tensors[0].get_device()
+        self.run, self.function, self.metadata = kernel.run, kernel.function, kernel.packed_metadata
         self.compiled = kernel
-
