@@ -2,10 +2,12 @@
 optimizer state, state-dict round trips, topology changes that move values and Adam moments."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 
-from sparsetrain.kernels.blocksparse.reference import dense_to_values
+from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
 from sparsetrain.nn import SparseLinear
 from sparsetrain.nn.formats import BlockFormat
 from sparsetrain.sparsity.layout import Block, to_element_mask
@@ -298,3 +300,137 @@ def test_torch_compile_with_dense_gradient_capture(device):
     compiled(x).square().sum().backward()
     torch.testing.assert_close(layer.values.grad, want_plain, rtol=tol, atol=tol)
     torch._dynamo.reset()
+
+
+# ---- the eager fast path: a call signature checked once, its plans kept ------------------------------------
+def _grads_vs_reference(layer, x, tol):
+    """One forward+backward of ``layer`` on fresh ``x`` against float64 plain torch on its dense weight."""
+    x = x.detach().requires_grad_()
+    layer.zero_grad()
+    y = layer(x)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    meta = BlockFormat.meta(layer)
+    w = layer.dense_weight().double().requires_grad_()
+    b = layer.bias.detach().double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    y64 = torch.nn.functional.linear(x64, w, b)
+    y64.backward(dy.double())
+
+    def rel(a, r):
+        return ((a.double() - r).norm() / r.norm()).item()
+
+    assert y.dtype == x.dtype and rel(y, y64) < tol and rel(x.grad, x64.grad) < tol
+    assert rel(layer.values.grad, dense_to_values(w.grad, meta)) < tol and rel(layer.bias.grad, b.grad) < tol
+
+
+def test_fast_call_is_kept_and_invalidated_when_it_must_be(monkeypatch):
+    """A call signature seen before takes the fast path (no checks, plans kept on a FastCall); a new topology
+    (set_mask), another token count or dtype, changed kernel options and a module move each take the checked path
+    once, and every result matches the reference on fresh inputs."""
+    from sparsetrain.kernels import use_kernel_options
+    from sparsetrain.kernels.blocksparse import op, register_backend, tuner, unregister_backend
+    from sparsetrain.kernels.blocksparse.testing import use_timer
+
+    checked = []
+    real = op._block_sparse_linear
+    monkeypatch.setattr(op, "_block_sparse_linear", lambda *a: checked.append(a[0].shape) or real(*a))
+
+    def calls(expect_checked):
+        before = len(checked)
+        _grads_vs_reference(layer, torch.randn(*shape, dtype=dtype), tol)
+        assert len(checked) - before == expect_checked
+
+    torch.manual_seed(0)
+    layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block")
+    shape, dtype, tol = (3, 13, 64), torch.float32, 1e-5
+    calls(1)
+    calls(0)  # the fast path
+    kept = BlockFormat.meta(layer)._groups["calls"]
+    assert len(kept) == 1 and next(iter(kept.values())).fwd is not None
+
+    shape = (7, 64)  # another token count (and a 2-D input)
+    calls(1)
+    calls(0)
+
+    flat = layer.mask.clone().flatten()  # a new topology, same count
+    flat[flat.nonzero()[0]] = False
+    flat[(~flat).nonzero()[-1]] = True
+    layer.set_mask(flat.view(layer.mask.shape))
+    calls(1)
+    calls(0)
+
+    dtype, tol = torch.float16, 3e-3  # 16-bit activations, float32 values: another signature
+    calls(1)
+    calls(0)
+    dtype, tol = torch.float32, 1e-5
+
+    layer._apply(lambda t: t.clone())  # what .to(device) does: new parameter data, new index buffers
+    calls(1)
+    calls(0)
+    layer.half()  # values and bias float16: another signature
+    dtype, tol = torch.float16, 3e-3
+    calls(1)
+    calls(0)
+    layer.float()  # back to a signature this topology has seen: its FastCall again, with the new values
+    dtype, tol = torch.float32, 1e-5
+    calls(0)
+
+    # changed kernel options: a fallback backend that wins only at dense_margin=1.0 must then compute the layer
+    ran = []
+
+    class Plain(NamedTuple):
+        pass
+
+    def plan(cfg, p):
+        def dds(a, values, bias, out):
+            ran.append(p.kind)
+            w = values_to_dense(values.to(a.dtype), p.meta)
+            out.copy_(a @ w.t() + bias if p.kind == "fwd" and bias is not a else a @ (w.t() if p.forward else w))
+
+        def dw(x, dy, dv, db):
+            ran.append("dw")
+            dv.copy_(dense_to_values(dy.t() @ x, p.meta))
+            if p.bias:
+                db.copy_(dy.sum(0))
+        dw.atomic = False
+        return dw if p.kind == "dw" else dds
+
+    register_backend(tuner.Backend("plain", (Plain,), lambda p: [Plain()], plan, fallback=True))
+    try:
+        with use_timer(lambda cfg, launch: 0.9 if isinstance(cfg, Plain) else 1.0):
+            calls(1)  # the registry changed
+            calls(0)
+            assert ran == []
+            with use_kernel_options(dense_margin=1.0):
+                calls(1)
+                calls(0)
+                assert ran == ["fwd", "dx", "dw"] * 2
+            calls(1)  # the previous options: their plans again
+            assert ran == ["fwd", "dx", "dw"] * 2
+    finally:
+        unregister_backend("plain")
+    calls(1)
+
+
+def test_fast_call_under_autocast_matches_reference():
+    """Under autocast only x is cast (float32 values and bias, float32 gradients), on the fast path as on the first
+    call; a new autocast dtype is another signature."""
+    torch.manual_seed(1)
+    layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=32, format="block")
+    for _ in range(3):
+        x = torch.randn(2, 9, 64, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = layer(x)
+        assert y.dtype == torch.float16
+        dy = torch.randn_like(y)
+        layer.zero_grad()
+        y.backward(dy)
+        w = layer.dense_weight().double().requires_grad_()
+        x16 = x.detach().half().double().requires_grad_()
+        y64 = torch.nn.functional.linear(x16, w.half().double(), layer.bias.detach().double())
+        y64.backward(dy.double())
+        assert layer.values.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+        assert ((y.double() - y64).norm() / y64.norm()) < 3e-3
+        assert ((x.grad.double() - x16.grad).norm() / x16.grad.norm()) < 3e-3
+    assert len(BlockFormat.meta(layer)._groups["calls"]) == 1

@@ -8,6 +8,10 @@ is fastest per shape); otherwise the plain-torch reference (:mod:`.reference`) c
 through a dense scatter, so the same layer trains on a CPU and with small blocks (1, 4, 8), only without the
 speed-up.
 
+An eager training step is host-bound, so the kernel path is checked once per call signature and topology: the
+first call checks the arguments and picks the path, and keeps a :class:`FastCall` with the launch plans on the
+metadata; a later call of the signature is a lookup, the casts and the launches.
+
 >>> import torch
 >>> mask = torch.rand(6, 4) < 0.5
 >>> meta = BlockSparseMeta.from_mask(mask, 16)                       # W is 96 x 64
@@ -23,13 +27,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sparsetrain.kernels._runtime.eager import eager_only
+from sparsetrain.kernels._runtime.options import IN_FORCE
+from sparsetrain.kernels.blocksparse import tuner
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
+from sparsetrain.kernels.blocksparse.plans import dds_planned, run_dw, sampled_grad_planned
 from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
 from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
-from sparsetrain.kernels.blocksparse.tuner import interpreting
+from sparsetrain.kernels.blocksparse.testing import HOOKS
+from sparsetrain.kernels.blocksparse.tuner import GENERATION, interpreting
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_CALLS = 256  # kept call signatures per metadata (e.g. a new token count every batch)
 
 
 class BlockSparseLinearFn(torch.autograd.Function):
@@ -53,25 +63,122 @@ class BlockSparseLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x2d, values = ctx.saved_tensors
-        meta = ctx.meta
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
+        return (*_backward(x2d, values, dy, ctx.meta, ctx.hook, *ctx.needs_input_grad[:3], ctx.values_dtype,
+                           ctx.bias_dtype), None, None)
+
+
+def _backward(x2d: Tensor, values: Tensor, dy: Tensor, meta: BlockSparseMeta,
+              hook: Callable[[Tensor], None] | None, need_x: bool, need_v: bool, need_b: bool,
+              values_dtype: torch.dtype, bias_dtype: torch.dtype | None) -> tuple:
+    """``(dx, dvalues, dbias)`` of :class:`BlockSparseLinearFn` (``values``: as the forward multiplied them)."""
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    dx = _dds(dy, values, meta, None, forward=False) if need_x else None
+    dv = db = None
+    if hook is not None:
+        dense = torch.mm(dy.t(), x2d).float()  # one dense matmul, only on capture steps
+        hook(dense)
+        dv = dense_to_values(dense, meta).to(values_dtype) if need_v else None
+    elif need_v:
+        dv, db32 = _sampled_grad(x2d, dy, meta, with_bias=need_b, out_dtype=values_dtype)
+        if dv.dtype != values_dtype:  # only when the token reduction was split (float32 partial sums)
+            dv = dv.to(values_dtype)
+        if need_b:
+            db = db32 if db32.dtype == bias_dtype else db32.to(bias_dtype)
+    if need_b and db is None:
+        db = dy.sum(0, dtype=torch.float32).to(bias_dtype)
+    return dx, dv, db
+
+
+# ---- the eager fast path: one validated call signature, its plans kept -----------------------------------
+class FastCall:
+    """One call signature of :func:`block_sparse_linear` on one topology, checked once, and its launch plans.
+
+    The first call of a signature checks the arguments, picks the path and, where that is the kernels, keeps
+    this on the metadata (``meta._groups["calls"]``), keyed by the shape, strides, dtype and device of ``x`` (as
+    autocast makes it), of ``values`` and of ``bias``. A later call of that signature is one dictionary lookup
+    and one comparison of :func:`.tuner.state` (the options, the backend registry, the test hooks) with the
+    state kept here; then the plans kept here run, with no key to build. ``TRITON_INTERPRET`` is read when a
+    signature is first seen (Triton itself reads it once, when the kernels are defined). Holds no tensors."""
+
+    __slots__ = ("meta", "state", "flat", "rows", "contig", "out_shape", "dtype", "device", "T", "I", "O",
+                 "values_dtype", "bias_dtype", "dy_strides", "fwd", "dx", "dw")
+
+    def __init__(self, meta: BlockSparseMeta, x: Tensor, contig: bool, values: Tensor, bias: Tensor | None):
+        self.meta, self.state, self.contig = meta, tuner.state(), contig
+        lead = tuple(x.shape[:-1])
+        self.flat, self.rows = x.dim() == 2, x.numel() // meta.in_features
+        self.out_shape = (*lead, meta.out_features)
+        self.dtype, self.device = x.dtype, x.device
+        self.T, self.I, self.O = self.rows, meta.in_features, meta.out_features
+        self.values_dtype, self.bias_dtype = values.dtype, (bias.dtype if bias is not None else None)
+        self.dy_strides = (self.O, 1)
+        self.fwd = self.dx = None
+        self.dw = [None, None]  # without, with the fused bias gradient
+
+
+class _PlannedFn(torch.autograd.Function):
+    """:class:`BlockSparseLinearFn` for a :class:`FastCall`: the plans kept on it run without a lookup."""
+
+    @staticmethod
+    def forward(ctx, x2d: Tensor, values: Tensor, bias: Tensor | None, call: FastCall) -> Tensor:
+        # the kernels' values: x's dtype (fp32 master values under 16-bit activations: one cast per step, shared
+        # with the input gradient), contiguous; the Parameter itself where it is both already
+        values = values.to(call.dtype, memory_format=torch.contiguous_format)
+        ctx.save_for_backward(x2d, values)
+        ctx.call = call
+        plan = call.fwd
+        if plan is None:
+            out, call.fwd = dds_planned(x2d, values, call.meta, bias, True)
+            return out
+        out = torch.empty(call.T, call.O, dtype=call.dtype, device=call.device)
+        if HOOKS.poison:
+            out.fill_(float("nan"))
+        plan(x2d, values, x2d if bias is None else bias, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x2d, values = ctx.saved_tensors
+        call, h = ctx.call, HOOKS
         need_x, need_v, need_b = ctx.needs_input_grad[:3]
-        dx = _dds(dy, values, meta, None, forward=False) if need_x else None
-        dv = db = None
-        if ctx.hook is not None:
-            dense = torch.mm(dy.t(), x2d).float()  # one dense matmul, only on capture steps
-            ctx.hook(dense)
-            dv = dense_to_values(dense, meta).to(ctx.values_dtype) if need_v else None
-        elif need_v:
-            dv, db32 = _sampled_grad(x2d, dy, meta, with_bias=need_b, out_dtype=ctx.values_dtype)
-            if dv.dtype != ctx.values_dtype:  # only when the token reduction was split (float32 partial sums)
-                dv = dv.to(ctx.values_dtype)
-            if need_b:
-                db = db32 if db32.dtype == ctx.bias_dtype else db32.to(ctx.bias_dtype)
+        if (dy.dtype is not call.dtype or dy.stride() != call.dy_strides
+                or (IN_FORCE[0], GENERATION[0], h.tune, h.forced, h.timer, h.poison) != call.state):
+            return (*_backward(x2d, values, dy, call.meta, None, need_x, need_v, need_b, call.values_dtype,
+                               call.bias_dtype), None)
+        dx = dv = db = None
+        if need_x:
+            plan = call.dx
+            if plan is None:
+                dx, call.dx = dds_planned(dy, values, call.meta, None, False)
+            else:
+                dx = torch.empty(call.T, call.I, dtype=call.dtype, device=call.device)
+                if h.poison:
+                    dx.fill_(float("nan"))
+                plan(dy, values, dy, dx)
+        if need_v:
+            plan = call.dw[need_b]
+            if plan is None:
+                dv, db, call.dw[need_b] = sampled_grad_planned(x2d, dy, call.meta, need_b, call.values_dtype)
+            else:
+                dv, db = run_dw(plan, x2d, dy, call.meta, need_b, call.values_dtype)
+            if dv.dtype is not call.values_dtype:  # a split token reduction: float32 partial sums
+                dv = dv.to(call.values_dtype)
+            if need_b and db.dtype is not call.bias_dtype:
+                db = db.to(call.bias_dtype)
         if need_b and db is None:
-            db = dy.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dv, db, None, None
+            db = dy.sum(0, dtype=torch.float32).to(call.bias_dtype)
+        return dx, dv, db, None
+
+
+# ``Function.apply`` less its Python wrapper (which binds no defaults here, checks functorch, which the fast path
+# does itself, and unwraps dead functorch wrappers, which it does for x): ~20 Python calls fewer per forward.
+_PLANNED_APPLY = super(torch.autograd.Function, _PlannedFn).apply
+_functorch_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+# torch.compiler.is_compiling() is True under dynamo and in a non-strict export; these say the same in one call
+_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+_compiler = torch.compiler
 
 
 # ---- torch.compile: the kernels as torch.library custom ops ---------------------------------------------
@@ -169,7 +276,7 @@ def _bs_backward(ctx, dy):
 _bs_linear_op.register_autograd(_bs_backward, setup_context=_bs_setup_context)
 
 
-@torch.compiler.disable
+@eager_only
 def _eager_with_hook(x2d: Tensor, values: Tensor, bias: Tensor | None, meta: BlockSparseMeta,
                      hook: Callable[[Tensor], None]) -> Tensor:
     """The autograd-function path outside the compiled graph (a graph break on dense-gradient capture steps)."""
@@ -188,6 +295,13 @@ class _DenseGradHook(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         ctx.hook(grad.detach().float())
         return grad, None
+
+
+try:  # torch >= 2.4: autocast state per device type, read in one call each
+    torch.get_autocast_dtype("cpu")
+    _autocast_on, _autocast_to = torch.is_autocast_enabled, torch.get_autocast_dtype
+except (AttributeError, TypeError):  # older torch: the general path below
+    _autocast_on = _autocast_to = None
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -235,10 +349,44 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
     the gradients come back in float32). Under autocast only ``x`` is cast. ``dense_grad_hook(g)``, when given,
     receives the dense ``dL/dW_eff`` (float32 ``[O, I]``) during backward — the flag RigL's grow step needs.
 
+    A call signature seen before on this topology takes the fast path (:class:`FastCall`).
+
     >>> meta = BlockSparseMeta.from_mask(torch.ones(2, 2, dtype=torch.bool), 16)
     >>> block_sparse_linear(torch.randn(5, 32), torch.randn(4, 16, 16), meta).shape
     torch.Size([5, 32])
     """
+    if (dense_grad_hook is None and _autocast_on is not None and not _dynamo_compiling()
+            and not _compiler._is_compiling_flag and not _functorch_active()):
+        try:
+            dev = x.device
+            x1 = x
+            if _autocast_on(dev.type):
+                cast = _autocast_to(dev.type)
+                if x.dtype is not cast and x.dtype.is_floating_point:
+                    x1 = x.to(cast)  # a new tensor (dead functorch wrappers unwrap themselves in an op)
+            if x1 is x:
+                x1 = _unwrap_if_dead(x)
+            call = meta._groups["calls"][(
+                x1.shape, x1.stride(), x1.dtype, dev, values.shape, values.dtype, values.device,
+                None if bias is None else bias.shape, None if bias is None else bias.dtype,
+                None if bias is None else bias.device)]
+        except (AttributeError, KeyError, TypeError):  # not seen (or not a tensor, not a meta: checked below)
+            call = None
+        if call is not None:
+            h = HOOKS
+            if (IN_FORCE[0], GENERATION[0], h.tune, h.forced, h.timer, h.poison) == call.state:
+                if not call.flat:
+                    x1 = x1.reshape(call.rows, call.I)
+                if call.contig:
+                    x1 = x1.contiguous()
+                y = _PLANNED_APPLY(x1, values, bias, call)
+                return y if call.flat else y.view(call.out_shape)
+    return _block_sparse_linear(x, values, meta, bias, dense_grad_hook)
+
+
+def _block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None,
+                         dense_grad_hook: Callable[[Tensor], None] | None) -> Tensor:
+    """:func:`block_sparse_linear` with every check; keeps a :class:`FastCall` where the fast path can take it."""
     _check(x, values, meta, bias)
     cast = _autocast_dtype(x.device.type)
     if cast is not None:
@@ -250,7 +398,8 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
     lead = x.shape[:-1]
     x2d = x.reshape(-1, meta.in_features)
     if uses_kernels(x2d, meta):
-        if x2d.stride(-1) != 1:
+        contig = x2d.stride(-1) != 1
+        if contig:
             x2d = x2d.contiguous()
         if torch.compiler.is_compiling() and dense_grad_hook is None:  # opaque op for dynamo / inductor
             y = torch.ops.sparsetrain.block_sparse_linear(
@@ -258,6 +407,8 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
                 meta.out_features, meta.in_features, meta.block)
         elif torch.compiler.is_compiling():  # RigL capture steps: the hook is Python, run this layer eagerly
             y = _eager_with_hook(x2d, values.contiguous(), bias, meta, dense_grad_hook)
+        elif dense_grad_hook is None and x2d.shape[0] > 0 and not _functorch_active():
+            y = _PLANNED_APPLY(x2d, values, bias, _keep_call(x, contig, values, meta, bias))
         else:
             y = BlockSparseLinearFn.apply(x2d, values.contiguous(), bias, meta, dense_grad_hook)
     else:
@@ -267,3 +418,15 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
             w = _DenseGradHook.apply(w, dense_grad_hook)
         y = F.linear(x2d, w, bias)
     return y.reshape(*lead, meta.out_features)
+
+
+def _keep_call(x: Tensor, contig: bool, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None) -> FastCall:
+    """A :class:`FastCall` for this checked signature, kept on the metadata under the fast path's key."""
+    calls = meta._groups.get("calls")
+    if calls is None or len(calls) >= _MAX_CALLS:
+        calls = meta._groups["calls"] = {}
+    key = (x.shape, x.stride(), x.dtype, x.device, values.shape, values.dtype, values.device,
+           None if bias is None else bias.shape, None if bias is None else bias.dtype,
+           None if bias is None else bias.device)
+    call = calls[key] = FastCall(meta, x, contig, values, bias)
+    return call

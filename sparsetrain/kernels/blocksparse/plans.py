@@ -51,6 +51,12 @@ def _pow2(n: int) -> int:
 
 def dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool) -> Tensor:
     """``a [T, K] · B`` with ``B = Wᵀ`` (forward, ``a = X``) or ``B = W`` (input gradient, ``a = dY``)."""
+    return dds_planned(a, values, meta, bias, forward)[0]
+
+
+def dds_planned(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool):
+    """:func:`dds` and the plan that computed it, if it was kept (None: not kept, e.g. no tokens or during a
+    CUDA-graph capture): ``(out, plan)``."""
     T = a.shape[0]
     has_bias = bias is not None
     pkey = ("plan_dds", forward, T, a.stride(0), a.stride(1), a.dtype, values.dtype,
@@ -61,7 +67,7 @@ def dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, f
         if HOOKS.poison:
             out.fill_(float("nan"))
         plan(a, values, bias if has_bias else a, out)
-        return out
+        return out, plan
 
     B = meta.block
     n_out = meta.grid[0] if forward else meta.grid[1]
@@ -69,7 +75,7 @@ def dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, f
     if HOOKS.poison:
         out.fill_(float("nan"))
     if T == 0:
-        return out
+        return out, None
     p = Product("fwd" if forward else "dx", meta, a, values, has_bias)
     built: dict = {}  # one plan per candidate while tuning (timing must not include building it)
 
@@ -84,15 +90,23 @@ def dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, f
     cfg = tuner.pick(p.kind, key, a.device, tuner.candidates(p), launch)
     plan = built.get(cfg) or tuner.make_plan(cfg, p)
     plan(a, values, bias if has_bias else a, out)
-    if _may_cache(a.device):
-        _keep_plan(meta, pkey, plan)
-    return out
+    if not _may_cache(a.device):
+        return out, None
+    _keep_plan(meta, pkey, plan)
+    return out, plan
 
 
 def sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
                  out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor | None]:
     """``dvalues = blocks of dYᵀ·X at the active positions`` and, fused, ``dbias = Σ_t dY`` (float32).
     ``dvalues`` comes back in ``out_dtype``, or in float32 where the plan adds partial sums (``atomic``)."""
+    dv, db, _ = sampled_grad_planned(x, dy, meta, with_bias, out_dtype)
+    return dv, db
+
+
+def sampled_grad_planned(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
+                         out_dtype: torch.dtype = torch.float32):
+    """:func:`sampled_grad` and the plan that computed it if it was kept (else None): ``(dv, db, plan)``."""
     T = x.shape[0]
     dev = x.device
     pkey = ("plan_dw", T, x.stride(0), x.stride(1), dy.stride(0), x.dtype, dy.dtype, out_dtype, with_bias, dev,
@@ -105,7 +119,7 @@ def sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
         def launch(cfg) -> tuple[Tensor, Tensor | None]:
             if cfg not in built:
                 built[cfg] = tuner.make_plan(cfg, p)
-            return _run_dw(built[cfg], x, dy, meta, with_bias, out_dtype)
+            return run_dw(built[cfg], x, dy, meta, with_bias, out_dtype)
 
         key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
                out_dtype, with_bias)
@@ -113,11 +127,15 @@ def sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
         plan = built.get(cfg) or tuner.make_plan(cfg, p)
         if T > 0 and _may_cache(dev):
             _keep_plan(meta, pkey, plan)
-    return _run_dw(plan, x, dy, meta, with_bias, out_dtype)
+        else:
+            dv, db = run_dw(plan, x, dy, meta, with_bias, out_dtype)
+            return dv, db, None
+    dv, db = run_dw(plan, x, dy, meta, with_bias, out_dtype)
+    return dv, db, plan
 
 
-def _run_dw(plan, x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
-            out_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+def run_dw(plan, x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
+           out_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
     """Allocate the outputs of one weight-gradient launch and run it. An atomic plan adds float32 partial sums
     into zeroed memory; dvalues and dbias then share ONE zero-filled buffer (one fill instead of two)."""
     B, n, O, dev = meta.block_rows, meta.n_blocks, meta.out_features, x.device

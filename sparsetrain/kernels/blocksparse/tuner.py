@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels._runtime.options import kernel_options
+from sparsetrain.kernels._runtime.options import IN_FORCE, kernel_options
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.testing import HOOKS
 
@@ -143,11 +143,29 @@ def option_key() -> tuple:
     return o.cuda_kernels, o.dense_fallback, o.dense_margin, _GENERATION[0]
 
 
+def state() -> tuple:
+    """Everything that steers a choice or a plan besides the call itself: the options object, the registry
+    generation and the test hooks (the forced configs copied). Comparing a kept state with the current one needs
+    no Python call while nothing changed (tuple equality tries identity first), so a caller that keeps plans
+    compares ``(IN_FORCE[0], GENERATION[0], HOOKS.tune, HOOKS.forced, HOOKS.timer, HOOKS.poison)`` with it,
+    inline."""
+    h = HOOKS
+    return IN_FORCE[0], _GENERATION[0], h.tune, dict(h.forced), h.timer, h.poison
+
+
+#: The registry generation as a one-element list (read by :func:`state`'s inline users).
+GENERATION = _GENERATION
+_STEERING: list = [None, None]  # [the state it was computed in, the steering tuple]
+
+
 def steering() -> tuple:
     """:func:`option_key` and the test hooks: part of every cached plan's key (a forced or untimed choice
-    must not be served a plan cached under another)."""
-    h = HOOKS
-    return (*option_key(), h.tune, tuple(h.forced.items()) if h.forced else (), h.timer)
+    must not be served a plan cached under another). Computed again only when :func:`state` changed."""
+    h, kept = HOOKS, _STEERING
+    if (IN_FORCE[0], _GENERATION[0], h.tune, h.forced, h.timer) != kept[0]:
+        kept[1] = (*option_key(), h.tune, tuple(h.forced.items()) if h.forced else (), h.timer)
+        kept[0] = state()[:5]
+    return kept[1]
 
 
 _TUNED: dict[tuple, object] = {}

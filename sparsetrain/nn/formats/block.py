@@ -32,6 +32,14 @@ if TYPE_CHECKING:  # pragma: no cover
 _PREFIX = "_bs_"
 
 
+def _current(bufs: dict, meta: BlockSparseMeta) -> bool:
+    """Whether ``meta`` holds the layer's index buffers (``.to()`` replaces them all): six identity checks, which
+    :meth:`BlockFormat.forward` makes inline."""
+    return (bufs["_bs_row_ptr"] is meta.row_ptr and bufs["_bs_col_idx"] is meta.col_idx
+            and bufs["_bs_row_idx"] is meta.row_idx and bufs["_bs_col_ptr"] is meta.col_ptr
+            and bufs["_bs_t_row_idx"] is meta.t_row_idx and bufs["_bs_t_slot"] is meta.t_slot)
+
+
 @register_format("block")
 class BlockFormat(WeightFormat):
     """Compressed block storage (values of the active blocks + CSR/transpose metadata). Topology changes keep
@@ -52,16 +60,11 @@ class BlockFormat(WeightFormat):
     def meta(layer: SparseLinear) -> BlockSparseMeta:
         """The layer's metadata; re-wrapped (no rebuild) when ``.to()`` replaced its buffers."""
         meta = layer._bs_meta
-        # Called on every forward: read the buffer dict directly (nn.Module.__getattr__ costs ~1 µs a name)
-        # and compare identities; .to() replaces all buffers at once, so any mismatch means re-wrap.
-        bufs = layer._buffers
-        for name in BlockSparseMeta.TENSORS:
-            if bufs[_PREFIX + name] is not getattr(meta, name):
-                meta = layer._bs_meta = meta.with_tensors(
-                    **{n: bufs[_PREFIX + n] for n in BlockSparseMeta.TENSORS})
-                if meta.kernel_supported:
-                    register_meta(meta)
-                break
+        if not _current(layer._buffers, meta):
+            bufs = layer._buffers
+            meta = layer._bs_meta = meta.with_tensors(**{n: bufs[_PREFIX + n] for n in BlockSparseMeta.TENSORS})
+            if meta.kernel_supported:
+                register_meta(meta)
         return meta
 
     def _build_meta(self, layer: SparseLinear, mask: Tensor, device: torch.device) -> BlockSparseMeta:
@@ -74,11 +77,23 @@ class BlockFormat(WeightFormat):
         self._install_meta(layer, meta)
 
     def forward(self, layer, x):
+        # Every step goes through here: the module's dictionaries are read directly (nn.Module.__getattr__ is a
+        # Python call per name) and the metadata's six index tensors compared with the buffers inline.
+        meta, b = layer._bs_meta, layer._buffers
+        if not (b["_bs_row_ptr"] is meta.row_ptr and b["_bs_col_idx"] is meta.col_idx  # _current(), inline
+                and b["_bs_row_idx"] is meta.row_idx and b["_bs_col_ptr"] is meta.col_ptr
+                and b["_bs_t_row_idx"] is meta.t_row_idx and b["_bs_t_slot"] is meta.t_slot):
+            meta = self.meta(layer)
+        params = layer._parameters
+        try:
+            values, bias = params["values"], params["bias"]
+        except KeyError:  # e.g. a parametrization in place of a Parameter
+            values, bias = layer.values, layer.bias
         hook = None
-        if layer.capture_dense_grad and torch.is_grad_enabled() and layer.values.requires_grad:
+        if layer.capture_dense_grad and torch.is_grad_enabled() and values.requires_grad:
             def hook(g: Tensor, layer=layer) -> None:
                 layer.dense_grad = g if layer.dense_grad is None else layer.dense_grad + g
-        return block_sparse_linear(x, layer.values, self.meta(layer), layer.bias, dense_grad_hook=hook)
+        return block_sparse_linear(x, values, meta, bias, dense_grad_hook=hook)
 
     def dense_weight(self, layer):
         return values_to_dense(layer.values.detach(), self.meta(layer))
