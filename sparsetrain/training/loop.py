@@ -32,7 +32,13 @@ from sparsetrain.training.metrics import (
 from sparsetrain.training.plots import plot_run
 from sparsetrain.training.resume import RunDirError, StartPlan, check_same_shape, plan_start, resume_command
 from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
-from sparsetrain.training.step import GraphCaptureError, TrainStep, graph_mode, make_graph_safe
+from sparsetrain.training.step import (
+    GraphCaptureError,
+    TrainStep,
+    graph_mode,
+    make_eager_safe,
+    make_graph_safe,
+)
 from sparsetrain.training.tracking import end_tracking, init_tracking, log_tracking
 
 __all__ = ["Batches", "RunDirError", "RunStopped", "mask_signature", "train"]
@@ -403,6 +409,8 @@ def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainAr
         return fwd(**batch)
 
     if not use_graph:
+        make_eager_safe(raw_opt)
+
         def clip():
             if not args.clip_grad_norm:
                 return None

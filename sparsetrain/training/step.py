@@ -75,6 +75,25 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> N
             state["step"] = state["step"].to(device)
 
 
+def make_eager_safe(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`make_graph_safe` for an eager run (a checkpoint written by a graph run stores ``capturable``
+    and a tensor ``lr`` in its param groups): ``lr`` a float again, ``capturable`` off, and each step count
+    where the non-capturable update reads it (the parameter's device for a fused optimizer, else the CPU)."""
+    for group in optimizer.param_groups:
+        if torch.is_tensor(group.get("lr")):
+            group["lr"] = float(group["lr"])
+        if group.get("capturable"):
+            group["capturable"] = False
+        fused = bool(group.get("fused"))
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            step = state.get("step")
+            if torch.is_tensor(step):
+                want = p.device if fused else torch.device("cpu")
+                if step.device != want:
+                    state["step"] = step.to(want)
+
+
 class TrainStep:
     """``step(micro_batches) -> loss`` (a device scalar: the mean micro-batch loss) for one optimizer step.
 

@@ -112,3 +112,31 @@ def test_graph_steps_train_like_eager_steps(tmp_path, make_scheduler, updates, f
     assert eager_sig == graph_sig                                   # the same masks after the same updates
     assert len(eager_losses) == len(graph_losses) == 6
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_an_optimizer_made_graph_safe_steps_eagerly_again_after_make_eager_safe(fused):
+    """A checkpoint of a graph run carries capturable=True and a tensor lr; an eager run (here on the CPU, where
+    capturable is refused) undoes both and then steps exactly like an optimizer that never was graph-safe."""
+    from sparsetrain.training.step import make_eager_safe, make_graph_safe
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    opt_a = torch.optim.AdamW(a.parameters(), lr=2**-7, fused=fused)
+    opt_b = torch.optim.AdamW(b.parameters(), lr=2**-7, fused=fused)
+    x = torch.randn(5, 4)
+    for m, o in ((a, opt_a), (b, opt_b)):
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad()
+    make_graph_safe(opt_a, torch.device("cpu"))
+    assert opt_a.param_groups[0]["capturable"] and torch.is_tensor(opt_a.param_groups[0]["lr"])
+    state = opt_a.state_dict()               # what a graph run's checkpoint holds
+    opt_a.load_state_dict(state)
+    make_eager_safe(opt_a)
+    assert opt_a.param_groups[0]["lr"] == 2**-7 and not opt_a.param_groups[0]["capturable"]
+    for m, o in ((a, opt_a), (b, opt_b)):
+        m(x).pow(2).sum().backward()
+        o.step()
+    torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=0)
