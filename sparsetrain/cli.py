@@ -5,7 +5,7 @@
     sparsetrain recipes                                      # list recipes
     sparsetrain flops recipe=bert_phase1_dynamic             # per-layer FLOPs, dense vs sparse
     sparsetrain pareto multirun/quickstart/... --out pareto.png
-    sparsetrain bench blocksparse|semi24|inference [args]    # GPU benchmarks (ratios vs dense, one run)
+    sparsetrain bench blocksparse|semi24|inference|e2e [args]   # GPU benchmarks (ratios vs dense, one run)
     sparsetrain export RUN_DIR --format hf|sparse --out DIR
 """
 from __future__ import annotations
