@@ -30,6 +30,7 @@ from sparsetrain.training.metrics import (
     write_summary,
 )
 from sparsetrain.training.plots import plot_run
+from sparsetrain.training.ranks import compare_masks, mask_signature
 from sparsetrain.training.resume import RunDirError, StartPlan, check_same_shape, plan_start, resume_command
 from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
 from sparsetrain.training.step import (
@@ -309,7 +310,9 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                 if record is None:
                     step_time += dt
                 if record is not None:
-                    log({"step": step, **record, "density": scheduler.density})
+                    ranks = compare_masks(inner, accelerator.num_processes)  # several processes: one all-gather
+                    log({"step": step, **record, "density": scheduler.density, **ranks.row})
+                    ranks.raise_if_diverged(step)             # before the next optimizer step or checkpoint
                 if step % args.log_every == 0 or step == args.max_steps:
                     t_sync = time.perf_counter()
                     window["loss"] += float(accelerator.reduce(win_loss.clone(), reduction="mean").item())
@@ -351,13 +354,8 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         raise
     progress.close()
     logger.close()
-    masks_identical = None
-    if accelerator.num_processes > 1:
-        # every rank must hold the same topology; a mismatch would silently train different models
-        sig = accelerator.gather(mask_signature(inner).to(accelerator.device).reshape(1))
-        masks_identical = bool((sig == sig[0]).all())
-        if not masks_identical:
-            raise RuntimeError(f"sparsity masks differ between ranks: signatures {sig.tolist()}")
+    final_ranks = compare_masks(inner, accelerator.num_processes)  # the final masks too (identical: None alone)
+    final_ranks.raise_if_diverged()
 
     # -- 6. summary -------------------------------------------------------------------------------------
     summary = {
@@ -368,7 +366,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         "tokens_per_s" if rate_key == "tokens_per_s" else "samples_per_s":
             window_rate(run_dir, rate_key) if main else None,
         "hook_share_non_update_steps": hook_time / step_time if step_time else None,
-        "processes": accelerator.num_processes, "ranks_masks_identical": masks_identical,
+        "processes": accelerator.num_processes, "ranks_masks_identical": final_ranks.identical,
         "flops_per_step_dense": report.dense_total, "flops_per_step_sparse": report.sparse_total,
         "step_mode": "cuda_graph" if run_step.graph_mode else "eager", **run_step.stats(),
     }
@@ -383,17 +381,6 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
     accelerator.end_training()
     return summary
-
-
-def mask_signature(model: torch.nn.Module) -> torch.Tensor:
-    """A number that changes when any active position of any SparseLinear changes."""
-    from sparsetrain.sparsity.schedulers import sparse_layers
-
-    sig = torch.zeros((), dtype=torch.float64)
-    for i, layer in enumerate(sparse_layers(model).values()):
-        m = layer.mask.detach().flatten().cpu().double()
-        sig += ((torch.arange(m.numel(), dtype=torch.float64) + 1) * m).sum() * (i + 1)
-    return sig
 
 
 _ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
