@@ -34,7 +34,7 @@ from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
 from sparsetrain.kernels.blocksparse.plans import dds_planned, run_dw, sampled_grad_planned
 from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
-from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
+from sparsetrain.kernels.blocksparse.reference import _blocks, dense_to_values, values_to_dense
 from sparsetrain.kernels.blocksparse.testing import HOOKS
 from sparsetrain.kernels.blocksparse.tuner import GENERATION, interpreting
 
@@ -283,6 +283,16 @@ def _eager_with_hook(x2d: Tensor, values: Tensor, bias: Tensor | None, meta: Blo
     return BlockSparseLinearFn.apply(x2d, values, bias, meta, hook)
 
 
+def _values_to_dense_traced(values: Tensor, meta: BlockSparseMeta) -> Tensor:
+    """:func:`.reference.values_to_dense` for a compiled graph: the int64 block index is cast in the graph from
+    the metadata's index tensors, not read from the cache on the metadata. Dynamo guards on what a dict holds:
+    the cached one would recompile the graph whenever a layer's cache is filled and another's not (a mask
+    update that skips a layer, an eager evaluation step), up to its recompile limit, then run eagerly."""
+    w = values.new_zeros(meta.out_features, meta.in_features)
+    _blocks(w, meta)[meta.row_idx.long(), meta.col_idx.long()] = values
+    return w
+
+
 class _DenseGradHook(torch.autograd.Function):
     """Identity on the dense weight whose backward hands the incoming gradient to a hook (reference path)."""
 
@@ -412,7 +422,8 @@ def _block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias:
         else:
             y = BlockSparseLinearFn.apply(x2d, values.contiguous(), bias, meta, dense_grad_hook)
     else:
-        w = values_to_dense(values, meta).to(x.dtype)
+        w = (_values_to_dense_traced(values, meta) if _dynamo_compiling()
+             else values_to_dense(values, meta)).to(x.dtype)
         bias = bias.to(x.dtype) if bias is not None else None
         if dense_grad_hook is not None and torch.is_grad_enabled() and w.requires_grad:
             w = _DenseGradHook.apply(w, dense_grad_hook)
