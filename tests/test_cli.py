@@ -82,6 +82,19 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
 
 
 @pytest.mark.slow
+def _kill_processes_mentioning(text: str) -> None:
+    """SIGKILL every process whose command line contains ``text`` (Linux /proc): never leave workers behind,
+    and never let their open pipes keep the test waiting."""
+    from pathlib import Path
+
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if text in (proc_dir / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc_dir.name), 9)
+        except (OSError, ValueError):
+            continue
+
+
 def test_two_process_run_has_identical_masks(tmp_path):
     d = tmp_path / "ddp"
     e = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -101,7 +114,8 @@ def test_two_process_run_has_identical_masks(tmp_path):
     try:
         _, err = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # never leave workers behind
+        os.killpg(proc.pid, 9)
+        _kill_processes_mentioning(str(d))  # the launcher starts each worker in a session of its own
         _, err = proc.communicate()
         raise AssertionError(f"two-process run did not finish in 300 s:\n{err[-3000:]}") from None
     assert proc.returncode == 0, err[-3000:]
