@@ -434,3 +434,23 @@ def test_fast_call_under_autocast_matches_reference():
         assert ((y.double() - y64).norm() / y64.norm()) < 3e-3
         assert ((x.grad.double() - x16.grad).norm() / x16.grad.norm()) < 3e-3
     assert len(BlockFormat.meta(layer)._groups["calls"]) == 1
+
+
+def test_mask_updates_do_not_pile_up_old_topologies_in_the_op_registry():
+    """The custom ops find a layer's metadata by its tensors' addresses; a mask update replaces the entry instead
+    of adding one, so old index tensors and their plans are freed (a BERT-base run makes ~11k of them)."""
+    from sparsetrain.kernels.blocksparse import op
+
+    torch.manual_seed(0)
+    layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block")
+    mine = lambda: [m for m in op._OP_METAS.values() if m is layer._bs_meta]  # noqa: E731
+    before = len(op._OP_METAS)
+    assert len(mine()) == 1
+    for _ in range(5):
+        mask = layer.mask.flatten()[torch.randperm(layer.mask.numel())].view_as(layer.mask)
+        layer.set_mask(mask)
+        assert len(mine()) == 1
+    assert len(op._OP_METAS) == before
+    x = torch.randn(7, 64)
+    want = x @ layer.dense_weight().t() + layer.bias
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)

@@ -191,12 +191,22 @@ _OP_METAS: dict[tuple, BlockSparseMeta] = {}
 OP_META_BUILDS = [0]  # how many metas the ops built (tests and benchmarks read it)
 
 
-def register_meta(meta: BlockSparseMeta) -> None:
+def _registry_key(meta: BlockSparseMeta) -> tuple:
+    return tuple(getattr(meta, n).data_ptr() for n in BlockSparseMeta.TENSORS) + (
+        meta.out_features, meta.in_features, meta.block_rows)
+
+
+def register_meta(meta: BlockSparseMeta, replaces: BlockSparseMeta | None = None) -> None:
     """Makes ``meta`` (and the entry lists and launch plans it caches) the one the custom ops use for its
     tensors: an eager step before ``torch.compile(mode="reduce-overhead")`` then builds them outside the
-    CUDA-graph memory pool. The block format registers every meta it installs."""
-    key = tuple(getattr(meta, n).data_ptr() for n in BlockSparseMeta.TENSORS) + (
-        meta.out_features, meta.in_features, meta.block_rows)
+    CUDA-graph memory pool. The block format registers every meta it installs, and passes the one it replaces
+    (a mask update, a move): that entry goes, so an old topology's index tensors and plans are not kept alive
+    (160 updates x 72 layers of a BERT-base run would otherwise pile up to the registry's bound of 4096)."""
+    if replaces is not None:
+        old = _registry_key(replaces)
+        if _OP_METAS.get(old) is replaces:
+            del _OP_METAS[old]
+    key = _registry_key(meta)
     if len(_OP_METAS) >= 4096:
         _OP_METAS.clear()
     _OP_METAS[key] = meta

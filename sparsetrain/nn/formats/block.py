@@ -50,11 +50,12 @@ class BlockFormat(WeightFormat):
     # ---- metadata held on the layer -------------------------------------------------------------
     @staticmethod
     def _install_meta(layer: SparseLinear, meta: BlockSparseMeta) -> None:
+        old = getattr(layer, "_bs_meta", None)
         for name in BlockSparseMeta.TENSORS:
             layer.register_buffer(_PREFIX + name, getattr(meta, name), persistent=False)
         layer._bs_meta = meta
         if meta.kernel_supported:
-            register_meta(meta)
+            register_meta(meta, replaces=old)
 
     @staticmethod
     def meta(layer: SparseLinear) -> BlockSparseMeta:
@@ -62,9 +63,10 @@ class BlockFormat(WeightFormat):
         meta = layer._bs_meta
         if not _current(layer._buffers, meta):
             bufs = layer._buffers
-            meta = layer._bs_meta = meta.with_tensors(**{n: bufs[_PREFIX + n] for n in BlockSparseMeta.TENSORS})
+            old, meta = meta, meta.with_tensors(**{n: bufs[_PREFIX + n] for n in BlockSparseMeta.TENSORS})
+            layer._bs_meta = meta
             if meta.kernel_supported:
-                register_meta(meta)
+                register_meta(meta, replaces=old)
         return meta
 
     def _build_meta(self, layer: SparseLinear, mask: Tensor, device: torch.device) -> BlockSparseMeta:
