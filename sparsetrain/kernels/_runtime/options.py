@@ -34,6 +34,9 @@ class KernelOptions:
     fast_launch: bool = True
     #: Inference SpMM: ``auto`` uses the CUDA kernels where built, ``triton`` always the Triton kernel.
     spmm_backend: str = "auto"
+    #: Keep the block-sparse tuner's per-shape choices on disk (``$SPARSETRAIN_CACHE/tuning``) and reuse them in
+    #: later processes on the same GPU, software and kernel sources; off: every process times every shape.
+    tuning_cache: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
