@@ -6,7 +6,10 @@ Triton gather kernels, the dense cuBLAS fallback. For a :class:`Product` it offe
 (``candidates``) and builds the launch plan of one (``make_plan``). The tuner lists the candidates of every
 registered backend in registration order, times each once per shape key on the GPU and keeps the fastest;
 where nothing is timed (the Triton interpreter, CUDA-graph capture, :func:`~.testing.untuned`) the first
-candidate is the choice. Adding a backend is a config type, two functions and one call::
+candidate is the choice. Choices timed on a GPU are also kept on disk (``KernelOptions.tuning_cache``,
+:mod:`sparsetrain.kernels._runtime.tuning_cache`), so a later process on the same GPU, software and kernel
+sources reuses them instead of timing again; under the test hooks nothing is read or written there. Adding a
+backend is a config type, two functions and one call::
 
     class MyConfig(NamedTuple):
         tile: int
@@ -24,10 +27,12 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from sparsetrain.kernels._runtime import tuning_cache
 from sparsetrain.kernels._runtime.options import IN_FORCE, kernel_options
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.testing import HOOKS
@@ -182,9 +187,37 @@ def _do_bench(config, launch: Callable[[], object]) -> float:
     return do_bench(launch, warmup=5, rep=20, return_mode="median")
 
 
+#: The kernel sources a kept choice depends on: their hash is part of the choice file's name.
+_SOURCES = (Path(__file__).resolve().parent, Path(tuning_cache.__file__).resolve().parent)
+_FILES: dict[int, tuning_cache.ChoiceFile] = {}  # device index -> its choice file, opened at its first pick
+
+
+def _choice_file(device: torch.device) -> tuning_cache.ChoiceFile | None:
+    """Where ``device``'s choices are kept across processes, or None with ``KernelOptions.tuning_cache`` off."""
+    if not kernel_options().tuning_cache:
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _FILES:
+        _FILES[index] = tuning_cache.choice_file("blocksparse", torch.device("cuda", index), _SOURCES)
+    return _FILES[index]
+
+
+def _disk_key(kind: str, key: tuple) -> str | None:
+    """A choice's key in the file: :func:`option_key` with the backends' names in place of the registry
+    generation (a count of this process's registry changes)."""
+    o = kernel_options()
+    names = [b.name for b in _BACKENDS]
+    return tuning_cache.stable_key((kind, *key, o.cuda_kernels, o.dense_fallback, float(o.dense_margin), names))
+
+
+def _config_types() -> dict[type, str]:
+    return {t: b.name for t, b in _BY_CONFIG.items()}
+
+
 def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: Callable[[object], object]):
-    """The config for product ``kind`` at shape ``key``: forced, else (timed once per key and kept) the fastest
-    of ``cands``; ``launch(config)`` must run the whole product. Where nothing can be timed, ``cands[0]``."""
+    """The config for product ``kind`` at shape ``key``: forced, else (timed once per key and kept, in this
+    process and on disk) the fastest of ``cands``; ``launch(config)`` must run the whole product. Where nothing
+    can be timed, ``cands[0]``."""
     forced = HOOKS.forced.get(kind)
     if forced is not None:
         return forced
@@ -196,6 +229,14 @@ def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: C
         return _TUNED[full]
     if not HOOKS.tune or len(cands) == 1 or _capturing(device):
         return cands[0]
+    kept = _choice_file(device) if timer is None else None  # a test's timer neither reads nor writes the disk
+    disk_key = _disk_key(kind, key) if kept is not None else None
+    if disk_key:
+        hit = kept.lookup(disk_key, _config_types())
+        # only a config offered here (a candidate may depend on what the key does not say, e.g. nvcc present)
+        if hit is not None and any(type(c) is type(hit[0]) and c == hit[0] for c in cands):
+            _TUNED[full], _TIMED[full] = hit
+            return hit[0]
     timer = timer or _do_bench
     timed = []
     for cfg in cands:
@@ -207,6 +248,8 @@ def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: C
         raise RuntimeError(f"no {kind} kernel configuration could run for {key}")
     best = choose(timed)
     _TUNED[full], _TIMED[full] = best, timed
+    if disk_key:
+        kept.store(disk_key, best, timed, _config_types())
     return best
 
 
@@ -225,7 +268,8 @@ def choose(timed: Sequence[tuple[object, float]], margin: float | None = None):
 
 
 def tuned_configs() -> dict[str, str]:
-    """The choices made so far, ``{key: config}`` (for benchmark reports)."""
+    """The choices made so far, timed in this process or read from disk, ``{key: config}`` (for benchmark
+    reports)."""
     return {repr(k): repr(v) for k, v in _TUNED.items()}
 
 
