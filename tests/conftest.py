@@ -16,6 +16,17 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_tuning_cache():
+    """Tests never read or write the user's kernel-tuning cache (a GPU run times kernels for real): the tuner's
+    choices stay in the process unless a test turns ``tuning_cache`` on itself."""
+    from sparsetrain.kernels import set_kernel_options
+
+    previous = set_kernel_options(tuning_cache=False)
+    yield
+    set_kernel_options(previous)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

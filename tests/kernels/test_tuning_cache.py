@@ -272,7 +272,8 @@ class FakeGpu:
 
 @pytest.fixture
 def gpu(monkeypatch):
-    yield FakeGpu(monkeypatch)
+    with use_kernel_options(tuning_cache=True):  # the suite turns it off (tests/conftest.py): on here
+        yield FakeGpu(monkeypatch)
     tuner._TUNED.clear()
     tuner._TIMED.clear()
 
