@@ -32,10 +32,11 @@ PATHS = [("block", False), ("block", True), ("masked", False)]
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo(monkeypatch):
+def _fresh_dynamo():
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # a recompile fails, with its reason
-    yield
+    # a recompile fails, with its reason (dynamo's own patch: monkeypatch's undo lost the key on a clean install)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
     torch._dynamo.reset()
 
 
