@@ -1,12 +1,17 @@
-"""Deterministic, resumable batches: the data position of a run is one integer."""
+"""Deterministic, resumable batches: the data position of a run is one integer. :class:`Prefetcher` prepares
+the next batches on threads while the current step runs."""
 from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 
 class Batches:
     """Deterministic, resumable batches: epoch ``e`` is a permutation seeded by (seed, e); global micro-batch
-    ``b`` holds ``batch_size x world`` samples and this rank takes its slice. The position is ``b``."""
+    ``b`` holds ``batch_size x world`` samples and this rank takes its slice. The position is ``b``. Batch ``b``
+    is a pure function of ``b``, and :meth:`get` may be called from several threads."""
 
     def __init__(self, dataset, collator, batch_size: int, world: int, rank: int, seed: int) -> None:
         self.dataset, self.collator = dataset, collator
@@ -16,18 +21,70 @@ class Batches:
             raise ValueError(f"trainer.batch_size: {batch_size} x {world} process(es) is larger than the "
                              f"training set ({len(dataset)} examples)")
         self._perm_epoch, self._perm = -1, None
+        self._lock = threading.Lock()
 
     def indices(self, b: int) -> list[int]:
         epoch, i = divmod(b, self.per_epoch)
-        if epoch != self._perm_epoch:
-            gen = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(len(self.dataset), generator=gen), epoch
+        with self._lock:
+            if epoch != self._perm_epoch:
+                gen = torch.Generator().manual_seed(self.seed * 7_919 + epoch)
+                self._perm, self._perm_epoch = torch.randperm(len(self.dataset), generator=gen), epoch
+            perm = self._perm
         g = self.batch_size * self.world
         start = i * g + self.rank * self.batch_size
-        return self._perm[start:start + self.batch_size].tolist()
+        return perm[start:start + self.batch_size].tolist()
 
     def get(self, b: int) -> dict[str, torch.Tensor]:
-        epoch = b // self.per_epoch
-        if hasattr(self.collator, "set_epoch"):
-            self.collator.set_epoch(epoch)
-        return self.collator([self.dataset[i] for i in self.indices(b)])
+        idx = self.indices(b)
+        if hasattr(self.collator, "set_epoch"):  # the collator's epoch is shared state: one batch at a time
+            with self._lock:
+                self.collator.set_epoch(b // self.per_epoch)
+                return self.collator([self.dataset[i] for i in idx])
+        return self.collator([self.dataset[i] for i in idx])
+
+
+class Prefetcher:
+    """Batches ``start, start + 1, ...`` of ``batches``, each collated (and with ``pin``, copied to pinned memory
+    so the copy to the GPU does not wait) by ``workers`` threads ahead of the step that takes it. ``workers=0``
+    prepares each batch when it is asked for. The batches are those of :meth:`Batches.get`, whatever the thread
+    count: a run's data does not depend on it. Ask for them in order; :meth:`close` when done."""
+
+    def __init__(self, batches: Batches, start: int, workers: int = 0, pin: bool = False) -> None:
+        self.batches, self.pin, self.workers = batches, bool(pin), max(0, int(workers))
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="batches") if self.workers else None
+        self._next = int(start)                  # the next batch to hand to a thread
+        self._pending: dict[int, Future] = {}
+
+    def _prepare(self, b: int) -> dict:
+        batch = self.batches.get(b)
+        if self.pin:
+            batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+        return batch
+
+    def get(self, b: int) -> dict:
+        if self._pool is None:
+            return self._prepare(b)
+        if b not in self._pending and b != self._next:  # out of order (not the loop's way): start over at b
+            self._drop()
+            self._next = b
+        while self._next <= b + self.workers:        # keep every thread busy with the batches that come next
+            self._pending[self._next] = self._pool.submit(self._prepare, self._next)
+            self._next += 1
+        return self._pending.pop(b).result()
+
+    def _drop(self) -> None:
+        for f in self._pending.values():
+            f.cancel()
+        self._pending.clear()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._drop()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Prefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from sparsetrain import flops as flop_count
 from sparsetrain.kernels import set_kernel_options
 from sparsetrain.training import checkpoint as ckpt
-from sparsetrain.training.batches import Batches
+from sparsetrain.training.batches import Batches, Prefetcher
 from sparsetrain.training.guard import Guard, Interrupted, NonFiniteLoss, RunStopped, mask_update_due
 from sparsetrain.training.metrics import (
     METRICS_FILE,
@@ -261,12 +261,13 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     if torch.cuda.is_available() and not cpu:
         torch.cuda.reset_peak_memory_stats()
     try:
-        with guard:
+        # trainer.num_workers threads collate (and, for graph steps, pin) the next batches while a step runs
+        with guard, Prefetcher(batches, micro, args.num_workers, pin=use_graph) as feed:
             while step < args.max_steps:
                 t0 = time.perf_counter()
                 micro_batches, items = [], 0
                 for _ in range(args.grad_accum):
-                    batch = _to(batches.get(micro), accelerator.device, pin=use_graph)
+                    batch = _to(feed.get(micro), accelerator.device, pin=use_graph)
                     micro += 1
                     n_items, rate_key = _items_in(batch)
                     items += n_items
