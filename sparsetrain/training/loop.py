@@ -51,11 +51,7 @@ def _items_in(batch: dict[str, torch.Tensor]) -> tuple[int, str]:
     return len(next(iter(batch.values()))), "samples_per_s"
 
 
-def _to(batch: dict, device, pin: bool = False) -> dict:
-    """``batch`` on ``device``; ``pin``: through pinned memory, so the copy does not wait for the GPU."""
-    if pin:
-        return {k: v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) else v
-                for k, v in batch.items()}
+def _to(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -267,7 +263,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 micro_batches, items = [], 0
                 for _ in range(args.grad_accum):
-                    batch = _to(feed.get(micro), accelerator.device, pin=use_graph)
+                    batch = _to(feed.get(micro), accelerator.device)  # pinned by the feed for graph steps
                     micro += 1
                     n_items, rate_key = _items_in(batch)
                     items += n_items

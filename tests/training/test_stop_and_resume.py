@@ -5,12 +5,10 @@ import json
 import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from sparsetrain.data.mlm import MLMCollator, PackedSequences
 from sparsetrain.models.builders import build_model
 from sparsetrain.nn import DEFAULT_EXCLUDE
 from sparsetrain.sparsity.layout import Block
@@ -22,18 +20,10 @@ from sparsetrain.training.loop import RunDirError, train
 from sparsetrain.training.metrics import read_metrics
 from sparsetrain.training.resume import plan_start, shape_changes
 from sparsetrain.training.setup import RunSpec, TrainArgs, optimizer_factory
+from tests.training.test_loop import _tiny_mlm_data
 
 CONFIG = {"model": {"arch": "bert", "size": "tiny"}, "sparsity": {"density": 0.5, "block": 16}, "seed": 0,
           "optim": {"optimizer": {"lr": 1e-3}}}
-
-
-def _data(vocab: int = 64, seq_len: int = 16):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, vocab, (48, seq_len), generator=g)
-    ids[:, 0], ids[:, -1] = 2, 3
-    collator = MLMCollator(mask_token_id=4, vocab_size=vocab, special_ids=[0, 1, 2, 3, 4])
-    return SimpleNamespace(train=PackedSequences(ids[:40]), eval=PackedSequences(ids[40:]), collator=collator,
-                           vocab_size=vocab, seq_len=seq_len)
 
 
 def _spec(poison_after: int | None = None, records: list | None = None, config: dict | None = None, **args):
@@ -57,7 +47,7 @@ def _spec(poison_after: int | None = None, records: list | None = None, config: 
     kw.update(args)
     return RunSpec(
         build_model=lambda: build_model("bert", "tiny", vocab_size=64, seq_len=16, num_hidden_layers=1),
-        build_data=_data,
+        build_data=_tiny_mlm_data,
         build_optimizer=optimizer_factory(torch.optim.AdamW, {"lr": 1e-3}),
         scheduler=scheduler,
         sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
