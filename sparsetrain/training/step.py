@@ -204,7 +204,10 @@ class TrainStep:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):  # a private pool per capture: the dropped graph's pool is freed
+            # a private pool per capture (the dropped graph's pool is freed); errors only for this thread's calls:
+            # the batch threads pin memory meanwhile, which in the default global mode broke a capture at random
+            # ("operation failed due to a previous error during capture", 1 of 5 graph runs on an H100)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 loss = self._body(self._static)
         except Exception as e:
             torch.cuda.synchronize()

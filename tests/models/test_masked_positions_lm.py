@@ -157,3 +157,32 @@ def test_forward_and_backward_never_sync_and_replay_from_a_cuda_graph():
         eager = step()
         torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(grad, weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_an_unpadded_batch_reaches_attention_without_a_mask_and_without_bertmodel_building_one(monkeypatch):
+    # BertModel builds the attention mask itself; while a CUDA graph is captured or dynamo traces, transformers
+    # (5.17, measured on the GPU image) cannot read its values and hands SDPA an all-True mask, which rules out
+    # the flash kernel. Without padding the model must skip BertModel.forward and pass no mask at all.
+    import torch.nn.functional as F
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        seen.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    def no_bertmodel(*args, **kwargs):
+        raise AssertionError("BertModel.forward ran (it would build a mask under capture)")
+
+    model, batch = _model(3, attn="sdpa"), _batch(3)
+    assert "attention_mask" not in batch
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(model.bert, "forward", no_bertmodel)
+    out = model(**batch)
+    assert len(seen) == model.config.num_hidden_layers and all(m is None for m in seen)
+    monkeypatch.undo()
+    reference = BertForMaskedLM(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    full = reference(input_ids=batch["input_ids"], labels=batch["labels"])
+    torch.testing.assert_close(out.loss, full.loss, rtol=1e-5, atol=1e-5)
