@@ -1,4 +1,5 @@
-"""End-to-end training throughput: dense and sparse variants through the real training loop, eager and CUDA graph.
+"""End-to-end training throughput: dense and sparse variants through the real training loop, eager, CUDA graph and
+compiled + CUDA graph.
 
     sparsetrain bench e2e --out $OUT --json $OUT/e2e.json --plot $OUT/e2e.png
     sparsetrain bench e2e --variants dense,static_b16 --modes graph --steps 40 --breakdown none
@@ -7,7 +8,8 @@
 
 Each variant in each mode is one ``python -m sparsetrain.cli train`` process (fresh memory statistics and tuner
 caches) with the same overrides: ``trainer.max_steps``, ``batch_size``, no eval, no periodic checkpoints, quiet
-logger, ``trainer.cuda_graph=false`` (eager) or ``true`` (graph). The table reads each run's summary.json
+logger, and the mode's: ``trainer.cuda_graph=false`` (eager), ``true`` (graph) or ``true`` with
+``trainer.compile=true`` (compiled: torch.compile's fused kernels inside the whole-step graph). The table reads each run's summary.json
 (median window throughput, graph captures / eager steps) and metrics.jsonl (peak memory, window times, mask
 updates). For a dynamic variant the cost of one mask update is derived from the windows: the mean step time of
 windows that contain an update minus that of windows that do not, times the steps per window (window 1, the
@@ -34,6 +36,12 @@ from sparsetrain.bench._e2e_breakdown import format_breakdown, profile_child
 HYDRA_HINT = "HYDRA_FULL_ERROR"
 RESULTS_FILE = "e2e_results.json"
 
+
+
+#: The overrides of each mode: eager steps; the whole step replayed from a CUDA graph; the same with the model
+#: compiled (torch.compile's default mode, its fused elementwise kernels captured in the graph).
+MODES = {"eager": ["trainer.cuda_graph=false"], "graph": ["trainer.cuda_graph=true"],
+         "compiled": ["trainer.cuda_graph=true", "trainer.compile=true"]}
 
 @dataclass(frozen=True)
 class Variant:
@@ -74,7 +82,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--recipe-map", action="append", default=[], type=Variant.parse, metavar="NAME=RECIPE[:OVR]",
                    help="add or replace a variant: a recipe and space-separated overrides")
     p.add_argument("--baseline", default="dense", help="the variant ratios are taken against")
-    p.add_argument("--modes", default="eager,graph", help="eager, graph or both")
+    p.add_argument("--modes", default="eager,graph,compiled", help="comma separated: eager, graph, compiled")
     p.add_argument("--extra", action="append", default=[], help="more overrides for every run (space separated)")
     p.add_argument("--steps", type=int, default=80)
     p.add_argument("--batch", type=int, help="per-step batch (default: bert 256, vit 64)")
@@ -93,8 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--plot", help="write a PNG bar chart here")
     args = p.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
-    if bad := [m for m in args.modes if m not in ("eager", "graph")]:
-        p.error(f"--modes: unknown {bad}; use eager, graph or eager,graph")
+    if bad := [m for m in args.modes if m not in MODES]:
+        p.error(f"--modes: unknown {bad}; use some of {','.join(MODES)}")
     if args.steps < 1 or args.log_every < 1:
         p.error("--steps and --log-every must be >= 1")
     table = {v.name: v for v in (*DEFAULT_VARIANTS[args.model], *args.recipe_map)}
@@ -171,7 +179,7 @@ def run_overrides(variant: Variant, mode: str, args: argparse.Namespace, facts: 
     common = ["trainer=gpu", f"trainer.max_steps={args.steps}", f"trainer.batch_size={args.batch}",
               "trainer.grad_accum=1", "trainer.eval_every=0", f"trainer.log_every={args.log_every}",
               "trainer.checkpoint_every=0", "logger=quiet", "logger.plot=false",
-              f"trainer.cuda_graph={'true' if mode == 'graph' else 'false'}"]
+              *MODES[mode]]
     if facts.get("text"):
         common.append(f"data.seq_len={args.seq}")
     dynamic = []
@@ -387,9 +395,9 @@ class Bench:
     def run(self) -> list[dict]:
         args = self.args
         modes = list(args.modes)
-        if "graph" in modes and not _has_cuda():
-            modes.remove("graph")
-            self.say("graph mode needs a CUDA GPU; skipped")
+        if not _has_cuda() and (gpu_only := [m for m in modes if m != "eager"]):
+            modes = [m for m in modes if m == "eager"]
+            self.say(f"{' and '.join(gpu_only)} mode needs a CUDA GPU; skipped")
         self.say(f"run directories under {self.out}" + ("" if args.keep else " (removed after reading)"))
         self.results["env"] = _env()
         jobs = [(v, m) for v in args.variant_list for m in modes]

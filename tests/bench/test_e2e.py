@@ -16,7 +16,7 @@ from sparsetrain.bench import _e2e_breakdown as bd
 def test_defaults_and_recipe_map():
     args = e2e.parse_args([])
     assert [v.name for v in args.variant_list] == ["dense", "static_b64", "static_b16", "dynamic_b16"]
-    assert args.modes == ["eager", "graph"] and args.batch == 256 and args.seq == 128
+    assert args.modes == ["eager", "graph", "compiled"] and args.batch == 256 and args.seq == 128
     assert args.breakdown == ["dense", "static_b16"] and not args.keep and "e2e" in BENCHES
 
     args = e2e.parse_args(["--recipe-map", "dense=quickstart:sparsity=dense trainer=cpu_small",
@@ -48,6 +48,9 @@ def test_run_overrides_merge_by_key():
             "sparsity.scheduler.num_updates=4"} <= set(ov)
     eager = e2e.run_overrides(e2e.Variant("s", "vit_digits"), "eager", args, {"text": False})
     assert "trainer.cuda_graph=false" in eager and not any("seq_len" in o or "num_updates" in o for o in eager)
+    assert "trainer.compile=true" not in eager and "trainer.compile=true" not in ov
+    compiled = e2e.run_overrides(v, "compiled", args, facts)
+    assert {"trainer.cuda_graph=true", "trainer.compile=true"} <= set(compiled)
 
 
 def test_auto_updates_fall_inside_windows_with_update_free_windows_left():
