@@ -1,7 +1,8 @@
 """Where MLM text comes from: ``(name, text)`` documents for the train and held-out splits.
 
 Sources: the embedded Shakespeare corpus (whole plays held out), local text/json/jsonl/parquet files and named
-hub datasets (the last documents held out, or the hub's ``validation`` split).
+hub datasets (the last documents held out, or the hub's ``validation`` split). The larger English corpus brings
+its own split: :func:`sparsetrain.data.english_large.english_large_documents`.
 """
 
 from __future__ import annotations

