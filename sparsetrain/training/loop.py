@@ -26,6 +26,8 @@ from sparsetrain.training.metrics import (
     MetricsLogger,
     Progress,
     format_summary,
+    read_metrics,
+    train_seconds,
     window_rate,
     write_summary,
 )
@@ -323,6 +325,8 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                            "density": scheduler.density, "elapsed_s": elapsed}
                     if torch.cuda.is_available() and not cpu:
                         row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                    if step - window["steps"] <= first_step + run_step.warmup:
+                        row["startup"] = True     # the window holds the process's tuning, compile or first capture
                     log(row)
                     progress.update(step, loss=row["loss"], lr=row["lr"], **{rate_key: row[rate_key]})
                     window = {"loss": 0.0, "steps": 0, "items": 0, "time": 0.0}
@@ -360,6 +364,8 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         "block": spec.block_label if scheduler.sparse else "-", "steps": step,
         "final_eval_loss": last_eval["eval_loss"] if last_eval else None,
         "total_train_flops": train_flops, "wall_s": elapsed,
+        "train_s": train_seconds(read_metrics(run_dir), step) if main else None,   # start-up left out
+        "device": torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else "cpu",
         "tokens_per_s" if rate_key == "tokens_per_s" else "samples_per_s":
             window_rate(run_dir, rate_key) if main else None,
         "hook_share_non_update_steps": hook_time / step_time if step_time else None,

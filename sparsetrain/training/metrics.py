@@ -4,7 +4,9 @@ A run directory holds `metrics.jsonl` (one JSON object per line, each with an in
 `summary.json` (written once at the end) and, when tracking is on, `wandb/`. The row contract:
 
 - train rows: `step, loss, lr, train_flops (cumulative), tokens_per_s | samples_per_s, density,
-  elapsed_s (cumulative training wall seconds, eval excluded)`, optional `peak_mem_gb`;
+  elapsed_s (cumulative training wall seconds, eval and checkpoints excluded)`, optional `peak_mem_gb`, and
+  `startup: true` on a window that holds a process's first steps (kernel tuning, compilation, the first
+  CUDA-graph capture; :func:`train_seconds` leaves those windows out);
 - eval rows: `step, eval_loss, train_flops, elapsed_s`, optional `eval_accuracy`;
 - event rows: `step, event` (e.g. `"mask_update"` with `pruned, regrown, drop_fraction`).
   Readers ignore keys they do not know.
@@ -26,6 +28,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -345,3 +348,32 @@ def window_rate(run_dir: str | os.PathLike, key: str) -> float | None:
     """Median of ``key`` (a throughput) over the logged rows: robust to the first, warm-up window."""
     vals = sorted(r[key] for r in read_metrics(run_dir) if key in r)
     return vals[len(vals) // 2] if vals else None
+
+
+def train_seconds(rows: Sequence[dict], steps: int | None = None) -> float | None:
+    """Seconds the training steps of a run take once it is going: ``steps`` (default: the last train row's step)
+    times the mean seconds per step of its train windows after start-up; None when no window is left.
+
+    A window is the steps between two train rows, its seconds the difference of their ``elapsed_s`` (training
+    steps only: evaluation and checkpoints are not in ``elapsed_s``). Left out: the run's first window and every
+    row marked ``startup`` (the loop marks each window holding a process's first steps, also after a resume:
+    kernel tuning, compilation, the first CUDA-graph capture). Mask updates, and the eager steps and re-captures
+    they cause, stay in: they are part of what a dynamic method costs.
+
+    Example:
+        >>> rows = [{"step": 10, "loss": 3.1, "elapsed_s": 9.0, "startup": True},
+        ...         {"step": 20, "loss": 2.9, "elapsed_s": 10.0}]
+        >>> train_seconds(rows)   # 20 steps at the 0.1 s per step of steps 11-20
+        2.0
+    """
+    train = [r for r in rows if isinstance(r.get("step"), int) and "loss" in r and "event" not in r
+             and "eval_loss" not in r and isinstance(r.get("elapsed_s"), (int, float))]
+    seconds = steady = 0.0
+    for prev, row in zip(train, train[1:]):
+        if not row.get("startup") and row["step"] > prev["step"]:
+            seconds += row["elapsed_s"] - prev["elapsed_s"]
+            steady += row["step"] - prev["step"]
+    if not steady:
+        return None
+    total = train[-1]["step"] if steps is None else steps
+    return seconds / steady * total

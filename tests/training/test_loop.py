@@ -2,6 +2,7 @@
 restores them, calls the sparsity hook once per optimizer step and writes its rows and summary."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sparsetrain.data.mlm import MLMCollator, PackedSequences
@@ -11,7 +12,7 @@ from sparsetrain.nn import DEFAULT_EXCLUDE
 from sparsetrain.sparsity.layout import Block
 from sparsetrain.sparsity.schedulers import Static
 from sparsetrain.training.loop import train
-from sparsetrain.training.metrics import read_metrics
+from sparsetrain.training.metrics import read_metrics, train_seconds
 from sparsetrain.training.setup import RunSpec, TrainArgs, optimizer_factory
 
 
@@ -78,3 +79,17 @@ def test_a_data_error_found_while_reading_leaves_an_existing_run_dir_untouched(t
         train(spec, run)
     assert (run / "config.yaml").read_text() == "earlier: run\n"
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+
+
+def test_summary_train_s_leaves_out_the_startup_window(tmp_path):
+    """The first window (kernel tuning, compilation, the first capture) is marked `startup` and left out of
+    `train_s`, the training-step seconds the Pareto study plots; evaluation is in neither."""
+    args = TrainArgs(max_steps=6, batch_size=4, eval_every=2, eval_batches=1, log_every=2, device="cpu",
+                     progress=False, plot=False, recipe="plain")
+    summary = train(_spec(Static(), args), tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r.get("startup", False) for r in train_rows] == [True, False, False]
+    steady = train_rows[-1]["elapsed_s"] - train_rows[0]["elapsed_s"]
+    assert summary["train_s"] == train_seconds(rows, 6) == pytest.approx(steady / 4 * 6)
+    assert 0 < summary["train_s"] and summary["device"] == "cpu"

@@ -12,6 +12,7 @@ from sparsetrain.training.metrics import (
     format_summary,
     read_metrics,
     read_summary,
+    train_seconds,
     window_rate,
     write_summary,
 )
@@ -128,6 +129,27 @@ def test_window_rate_is_the_median_of_logged_rates(tmp_path):
             log.log({"step": step, "tokens_per_s": rate})
     assert window_rate(tmp_path, "tokens_per_s") == 30.0
     assert window_rate(tmp_path, "samples_per_s") is None
+
+
+def test_train_seconds_leaves_out_startup_windows_and_keeps_update_windows():
+    """Steps x the mean step time of the windows after start-up: the first window and any marked `startup` (a
+    resumed process's first) are left out; a window with a slow mask update stays in; eval, event and mask rows
+    are not windows."""
+    rows = [
+        {"step": 10, "loss": 4.0, "elapsed_s": 30.0, "startup": True},   # tuning + first capture
+        {"step": 20, "loss": 3.9, "elapsed_s": 31.0},
+        {"step": 20, "eval_loss": 3.8, "train_flops": 1.0, "elapsed_s": 31.0},
+        {"step": 25, "event": "mask_update", "pruned": 3, "regrown": 3},
+        {"step": 30, "loss": 3.7, "elapsed_s": 33.0},                     # 1 s more: the update's cost
+        {"step": 40, "loss": 3.6, "elapsed_s": 50.0, "startup": True},    # resumed at step 35: a new process
+        {"step": 50, "loss": 3.5, "elapsed_s": 51.0},
+    ]
+    # steady windows: 20-10, 30-20, 50-40: (1 + 2 + 1) s over 30 steps
+    assert train_seconds(rows) == pytest.approx(4.0 / 30 * 50)
+    assert train_seconds(rows, steps=60) == pytest.approx(4.0 / 30 * 60)
+    first_only = [{k: v for k, v in r.items() if k != "startup"} for r in rows[:2]]
+    assert train_seconds(first_only) == pytest.approx(1.0 / 10 * 20)   # old runs: the first window is start-up
+    assert train_seconds(rows[:1]) is None and train_seconds([]) is None
 
 
 @pytest.fixture
