@@ -43,6 +43,28 @@ class Batches:
         return self.collator([self.dataset[i] for i in idx])
 
 
+def same_sample_position(micro: int, samples: int, old_group: int, new_group: int) -> int | None:
+    """Where a run taking ``new_group`` samples per global micro-batch continues one that took ``micro``
+    micro-batches of ``old_group`` samples from a dataset of ``samples`` examples: the micro-batch that starts
+    at the same sample of the same epoch's permutation (:class:`Batches`). None when no micro-batch of the new
+    size starts there. A position past the new size's last whole micro-batch of the epoch moves to the next
+    epoch (the new run never reads that tail).
+
+    >>> same_sample_position(6, samples=40, old_group=8, new_group=4)   # epoch 1, sample 8: batch 10 + 2
+    12
+    >>> same_sample_position(3, samples=40, old_group=4, new_group=8) is None   # sample 12 of 8-sample batches
+    True
+    """
+    old_per_epoch, new_per_epoch = samples // old_group, samples // new_group
+    if old_group == new_group or old_per_epoch < 1 or new_per_epoch < 1:
+        return micro if old_group == new_group else None
+    epoch, i = divmod(micro, old_per_epoch)
+    offset = i * old_group
+    if offset % new_group:
+        return None
+    return epoch * new_per_epoch + min(offset // new_group, new_per_epoch)
+
+
 class Prefetcher:
     """Batches ``start, start + 1, ...`` of ``batches``, each collated (and with ``pin``, copied to pinned memory
     so the copy to the GPU does not wait) by ``workers`` threads ahead of the step that takes it. ``workers=0``

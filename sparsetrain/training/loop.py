@@ -33,7 +33,14 @@ from sparsetrain.training.metrics import (
 )
 from sparsetrain.training.plots import plot_run
 from sparsetrain.training.ranks import compare_masks, mask_signature
-from sparsetrain.training.resume import RunDirError, StartPlan, check_same_shape, plan_start, resume_command
+from sparsetrain.training.resume import (
+    RunDirError,
+    StartPlan,
+    check_same_shape,
+    data_position,
+    plan_start,
+    resume_command,
+)
 from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
 from sparsetrain.training.step import (
     GraphCaptureError,
@@ -70,7 +77,7 @@ def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         set_kernel_options(previous)
 
 
-def _prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict, processes: int) -> None:
+def _prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict) -> None:
     """Main process, once every check passed: tidy the checkpoints, say how the run starts, save the config."""
     run_dir.mkdir(parents=True, exist_ok=True)
     root = run_dir / "checkpoints"
@@ -82,10 +89,6 @@ def _prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict, processes: in
         (run_dir / METRICS_FILE).unlink(missing_ok=True)
     for note in plan.notes:
         print(note, flush=True)
-    saved = (plan.state or {}).get("processes", processes)
-    if saved != processes:
-        print(f"warning: checkpoint {plan.path} was written by {saved} process(es), this run has {processes}: "
-              f"the data order and random streams differ from an uninterrupted run", flush=True)
     from omegaconf import OmegaConf
 
     OmegaConf.save(OmegaConf.create(config), run_dir / "config.yaml")
@@ -125,8 +128,12 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=cpu,
                               log_with="wandb" if args.wandb else None, project_dir=str(run_dir))
     main = accelerator.is_main_process
+    if resume_state is not None:  # another process count: the same global batch, from the same sample, or refused
+        resume_micro, note = data_position(plan.path, resume_state, accelerator.num_processes, args.batch_size,
+                                           args.grad_accum, len(data.train))
+        plan.notes += [note] if note else []
     if main:
-        _prepare_run_dir(run_dir, plan, spec.config, accelerator.num_processes)
+        _prepare_run_dir(run_dir, plan, spec.config)
         tokenizer = getattr(data, "tokenizer", None)
         if tokenizer is not None and not (run_dir / "tokenizer").exists():
             tokenizer.save_pretrained(str(run_dir / "tokenizer"))  # export reads it: the data cache may be gone
@@ -164,7 +171,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
             scheduler.load_state_dict(resume_state["sparsity"])
         ckpt.load_checkpoint(accelerator, model, optimizer, plan.path, resume_state.get("processes", 1))
         lr_sched.load_state_dict(resume_state["lr_scheduler"])
-        step, micro = resume_state["step"], resume_state["micro_batches"]
+        step, micro = resume_state["step"], resume_micro
         train_flops, elapsed = resume_state["train_flops"], resume_state["elapsed_s"]
         window = resume_state["window"]
         if torch.is_tensor(resume_state.get("win_loss")):

@@ -7,6 +7,11 @@ checkpoint, and whether the stored config allows it.
   run with no checkpoint it starts again and says that the old metrics are replaced.
 * Resuming with another value of anything that shapes the model or its masks is refused with one line listing
   the keys (:func:`shape_changes`, on plain dicts).
+* Resuming on another number of processes (or another split of the global batch into processes, micro-batch
+  size and accumulation) continues at the same sample of the same epoch with the same global batch
+  (:func:`data_position`); a run whose global batch differs, or whose micro-batches cannot start at that
+  sample, is refused in one line naming the settings. Model, masks and optimizer state are replicated under
+  DDP, so they load on any process count.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsetrain.training import checkpoint as ckpt
+from sparsetrain.training.batches import same_sample_position
 from sparsetrain.training.checkpoint import CheckpointError
 
 #: Config keys (and key prefixes) a resumed run must share with its checkpoint: they decide the model's
@@ -85,6 +91,62 @@ def check_same_shape(path: Path, state: dict[str, Any], config: dict) -> None:
         more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
         raise CheckpointError(f"trainer.resume: checkpoint {path} was trained with other model/mask settings: "
                               f"{shown}{more}; resume with the checkpoint's values or start a new run dir")
+
+
+def _split(processes: int, batch_size: int, grad_accum: int) -> str:
+    return f"{processes} process(es) x trainer.batch_size={batch_size} x trainer.grad_accum={grad_accum}"
+
+
+def _keep_global(total: int, processes: int, batch_size: int) -> str:
+    """Settings that give ``total`` samples per optimizer step on ``processes`` processes."""
+    if total % processes:
+        return f"a process count that divides {total}"
+    per = total // processes
+    if per % batch_size == 0:
+        return f"trainer.grad_accum={per // batch_size}"
+    return f"trainer.batch_size={per} trainer.grad_accum=1"
+
+
+def data_position(path: Path, state: dict[str, Any], processes: int, batch_size: int, grad_accum: int,
+                  samples: int) -> tuple[int, str | None]:
+    """``(micro, note)``: the global micro-batch index (:class:`~sparsetrain.training.batches.Batches`) at which
+    this run continues the checkpoint of ``state``, and a line for the log when it splits the global batch
+    otherwise. Raises :class:`CheckpointError` when the global batch (processes x batch size x accumulation)
+    differs, or when no micro-batch of this run starts at the checkpoint's sample; ``samples`` is the size of
+    the training set.
+
+    >>> state = {"micro_batches": 4, "processes": 2, "args": {"batch_size": 4, "grad_accum": 1}}
+    >>> data_position(Path("ckpt"), state, processes=1, batch_size=4, grad_accum=2, samples=40)[0]
+    8
+    """
+    micro, old_processes = state["micro_batches"], state.get("processes", 1)
+    old = state.get("args") or {}
+    if "batch_size" not in old:   # written before the batch split was stored: the position as it is
+        return micro, None
+    old_batch, old_accum = old["batch_size"], old.get("grad_accum", 1)
+    old_total, total = old_processes * old_batch * old_accum, processes * batch_size * grad_accum
+    if old_total != total:
+        raise CheckpointError(f"trainer.resume: checkpoint {path} was trained with a global batch of {old_total} "
+                              f"({_split(old_processes, old_batch, old_accum)}), this run has {total} "
+                              f"({_split(processes, batch_size, grad_accum)}): the learning-rate and mask "
+                              f"schedules count steps of one global batch; keep it with "
+                              f"{_keep_global(old_total, processes, batch_size)}")
+    old_group, group = old_processes * old_batch, processes * batch_size
+    if (old_processes, old_group) == (processes, group):
+        return micro, None
+    position = same_sample_position(micro, samples, old_group, group)
+    if position is None:
+        epoch, i = divmod(micro, max(1, samples // old_group))
+        raise CheckpointError(f"trainer.resume: checkpoint {path} stopped at sample {i * old_group} of epoch "
+                              f"{epoch}, where no micro-batch of this run starts ({group} samples: {processes} "
+                              f"process(es) x trainer.batch_size={batch_size}); resume with processes x "
+                              f"trainer.batch_size = {old_group}, as the checkpoint was written")
+    note = (f"resuming a checkpoint of {_split(old_processes, old_batch, old_accum)} with "
+            f"{_split(processes, batch_size, grad_accum)}: the same global batch ({total}), continuing at the "
+            f"same sample (sums and dropout draws differ from an uninterrupted run in rounding and randomness)")
+    if group != old_group:
+        note += f" (evaluation reads trainer.eval_batches x {group} samples, the checkpoint's run x {old_group})"
+    return position, note
 
 
 def _get(tree: dict, key: str) -> Any:

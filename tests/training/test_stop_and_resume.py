@@ -137,6 +137,7 @@ def test_resume_skips_a_damaged_checkpoint_removes_partial_ones_and_warns_on_wor
     newest = root / "step_00000012" / ckpt.STATE_FILE
     newest.write_bytes(newest.read_bytes()[:200])             # truncated
     state = torch.load(root / "step_00000008" / ckpt.STATE_FILE, weights_only=True)
+    state["args"]["batch_size"] = 2                           # as if 2 processes x 2: the same global batch
     torch.save({**state, "processes": 2}, root / "step_00000008" / ckpt.STATE_FILE)
     meta = json.loads((root / "step_00000008" / ckpt.META_FILE).read_text())
     meta["files"][ckpt.STATE_FILE] = (root / "step_00000008" / ckpt.STATE_FILE).stat().st_size
@@ -148,7 +149,8 @@ def test_resume_skips_a_damaged_checkpoint_removes_partial_ones_and_warns_on_wor
     out = capsys.readouterr().out
     assert "skipping damaged checkpoint" in out and "step_00000012" in out
     assert "resumed from" in out and "at step 8" in out
-    assert "written by 2 process(es), this run has 1" in out
+    assert ("resuming a checkpoint of 2 process(es) x trainer.batch_size=2 x trainer.grad_accum=1 with 1 "
+            "process(es) x trainer.batch_size=4 x trainer.grad_accum=1: the same global batch (4)") in out
     assert "removed the partial checkpoint" in out and "step_00000099" in out
     assert summary["steps"] == 12 and _steps(d) == ["step_00000008", "step_00000012"]
     assert (root / ".damaged_step_00000012").is_dir()
