@@ -56,7 +56,7 @@ def profiled_train(spec, run_dir: Path, first: int, count: int, start, stop) -> 
     original = step_module.TrainStep.__call__
     seen = {"calls": 0, "started": False, "stopped": False}
 
-    def wrapped(self, batches, *, eager=False):
+    def wrapped(self, batches, **kwargs):
         seen["calls"] += 1
         if seen["calls"] == first:
             start()
@@ -64,7 +64,7 @@ def profiled_train(spec, run_dir: Path, first: int, count: int, start, stop) -> 
         elif seen["calls"] == first + count and seen["started"]:
             stop()
             seen["stopped"] = True
-        return original(self, batches, eager=eager)
+        return original(self, batches, **kwargs)
 
     step_module.TrainStep.__call__ = wrapped
     try:

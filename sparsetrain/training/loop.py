@@ -199,6 +199,9 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     # it tunes the sparse kernels and builds their metadata outside any CUDA-graph memory pool (needed by
     # compile_mode=reduce-overhead). Evaluation and checkpoints use the uncompiled module (same parameters).
     compiled = torch.compile(model, mode=args.compile_mode) if args.compile else None
+    if compiled is not None and main:
+        print("trainer.compile: the first compiled step builds the model's kernels (BERT-base on an H100: about "
+              "a minute); trainer.compile=false skips it", flush=True)
     first_step = step
     use_graph = graph_mode(args.cuda_graph, accelerator.device.type == "cuda", accelerator.num_processes,
                            args.mixed_precision, args.compile_mode if args.compile else None,
@@ -277,10 +280,11 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                     n_items, rate_key = _items_in(batch)
                     items += n_items
                     micro_batches.append(batch)
-                # a step whose layers hand their dense gradient to Python (RigL's grow step) runs eagerly
-                eager_step = needs_grad and mask_update_due(scheduler, step + 1)
+                # a step whose layers hand their dense gradient to Python (RigL's grow step) runs eagerly, on
+                # the uncompiled model
+                hooks_step = needs_grad and mask_update_due(scheduler, step + 1)
                 try:
-                    loss_acc = run_step(micro_batches, eager=eager_step)
+                    loss_acc = run_step(micro_batches, plain=hooks_step)
                 except GraphCaptureError as e:
                     if args.cuda_graph is True:
                         raise ValueError(f"trainer.cuda_graph: is true but {e}; set trainer.cuda_graph=false "
@@ -414,7 +418,8 @@ def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainAr
             return accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
 
         return TrainStep(forward, accelerator.backward, optimizer, clip=clip, observe=guard.observe,
-                         autocast=accelerator.autocast, no_sync=lambda: accelerator.no_sync(model))
+                         autocast=accelerator.autocast, no_sync=lambda: accelerator.no_sync(model),
+                         plain_forward=lambda batch: model(**batch))
     make_graph_safe(raw_opt, accelerator.device)
     params = [p for g in raw_opt.param_groups for p in g["params"]]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
@@ -437,4 +442,5 @@ def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainAr
     # a compiled forward compiles on its first call, which must not be a capture: the process's first step
     # runs the plain model (it tunes the kernels), the second the compiled one, the third is captured
     return TrainStep(forward, lambda loss: loss.backward(), raw_opt, clip=clip, observe=guard.observe,
-                     autocast=autocast, graph=True, warmup=2 if compiled is not None else 1)
+                     autocast=autocast, graph=True, warmup=2 if compiled is not None else 1,
+                     plain_forward=lambda batch: model(**batch))

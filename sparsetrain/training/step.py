@@ -108,8 +108,9 @@ class TrainStep:
                  observe: Callable[[Tensor, Tensor | None], None],
                  autocast: Callable[[], AbstractContextManager],
                  no_sync: Callable[[], AbstractContextManager] = nullcontext, graph: bool = False,
-                 warmup: int = 1) -> None:
+                 warmup: int = 1, plain_forward: Callable[[Batch], object] | None = None) -> None:
         self.forward, self.backward, self.optimizer = forward, backward, optimizer
+        self.plain_forward = plain_forward or forward   # the uncompiled model, for steps with Python hooks
         self.clip, self.observe, self.autocast, self.no_sync = clip, observe, autocast, no_sync
         self.graph_mode = bool(graph)
         self.warmup = max(1, int(warmup))
@@ -124,12 +125,12 @@ class TrainStep:
         self._side: torch.cuda.Stream | None = None
 
     # -- the step's body: the same ops eagerly and under capture ------------------------------------------
-    def _body(self, batches: list[Batch]) -> Tensor:
-        n = len(batches)
+    def _body(self, batches: list[Batch], plain: bool = False) -> Tensor:
+        n, forward = len(batches), (self.plain_forward if plain else self.forward)
         total: Tensor | None = None
         for k, batch in enumerate(batches):
             with (self.no_sync() if k < n - 1 else nullcontext()), self.autocast():
-                loss = self.forward(batch).loss / n
+                loss = forward(batch).loss / n
             self.backward(loss)
             part = loss.detach().float()
             total = part if total is None else total + part
@@ -138,10 +139,10 @@ class TrainStep:
         self.observe(total, grad_norm)
         return total
 
-    def _eager(self, batches: list[Batch]) -> Tensor:
+    def _eager(self, batches: list[Batch], plain: bool = False) -> Tensor:
         if self.captures:  # the gradients may be a graph's buffers: an eager backward must not add to them
             self.optimizer.zero_grad(set_to_none=True)
-        loss = self._body(batches)
+        loss = self._body(batches, plain)
         self.optimizer.zero_grad(set_to_none=True)
         self.eager_steps += 1
         return loss
@@ -153,9 +154,12 @@ class TrainStep:
         self._static_loss = None
         self._since_invalidate = 0
 
-    def __call__(self, batches: list[Batch], *, eager: bool = False) -> Tensor:
+    def __call__(self, batches: list[Batch], *, eager: bool = False, plain: bool = False) -> Tensor:
         """Run one optimizer step on ``batches`` (already on the device). ``eager=True`` forces the eager path
-        for this step (e.g. a step whose layers hand gradients to Python hooks)."""
+        for this step; ``plain=True`` also runs the uncompiled model (a step whose layers hand gradients to
+        Python hooks: through a compiled forward they broke its graph and recompiled it)."""
+        if plain:
+            return self._eager(batches, plain=True)
         if not self.graph_mode:
             return self._eager(batches)
         if eager or not self._fits(batches):

@@ -107,8 +107,9 @@ def test_mask_updates_reuse_the_compiled_graphs_and_match_eager(fmt, kernels, mo
         assert counts == compiled_step, f"update {update} compiled new graphs"
 
 
-def _run_spec(fmt: str, args: TrainArgs) -> RunSpec:
-    """A one-layer tiny BERT on random tokens, half of its linears' 16x16 blocks active in ``fmt``, with SET."""
+def _run_spec(fmt: str, args: TrainArgs, policy: str = "set") -> RunSpec:
+    """A one-layer tiny BERT on random tokens, half of its linears' 16x16 blocks active in ``fmt``, with SET
+    (or ``policy``)."""
     ids = torch.randint(5, 64, (48, 16), generator=torch.Generator().manual_seed(0))
     ids[:, 0], ids[:, -1] = 2, 3
     data = SimpleNamespace(train=PackedSequences(ids[:40]), eval=PackedSequences(ids[40:]), vocab_size=64,
@@ -117,18 +118,21 @@ def _run_spec(fmt: str, args: TrainArgs) -> RunSpec:
         build_model=lambda: build_model("bert", "tiny", vocab_size=64, seq_len=16, num_hidden_layers=1),
         build_data=lambda: data,
         build_optimizer=optimizer_factory(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.01}),
-        scheduler=PruneRegrow("set", drop_fraction=0.3, drop_schedule="constant", num_updates=3),
+        scheduler=PruneRegrow(policy, drop_fraction=0.3, drop_schedule="constant", num_updates=3),
         sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
                              density_overrides=None, block=Block(16, 16), format=fmt, init="random", seed=0),
-        train_args=args, method="set", block_label="16",
+        train_args=args, method=policy, block_label="16",
     )
 
 
-@pytest.mark.parametrize("fmt", ["block", "masked"])
-def test_a_compiled_training_run_with_set_updates_recompiles_nothing_and_tracks_eager(fmt, tmp_path, monkeypatch):
-    """trainer.compile=true with SET updates through the real loop: updates after steps 2, 4 and 6, the eager
-    evaluation after steps 3 and 6 (the block format on the reference path). No recompile, a compiled forward
-    from step 2 on, and the losses equal the uncompiled run's (aot_eager draws dropout as eager does)."""
+@pytest.mark.parametrize("fmt,policy", [("block", "set"), ("masked", "set"), ("block", "rigl")])
+def test_a_compiled_training_run_with_updates_recompiles_nothing_and_tracks_eager(fmt, policy, tmp_path,
+                                                                                  monkeypatch):
+    """trainer.compile=true with SET or RigL updates through the real loop: updates after steps 2, 4 and 6, the
+    eager evaluation after steps 3 and 6 (the block format on the reference path). No recompile, a compiled
+    forward from step 2 on, the same masks (pruned counts per update) and the losses of the uncompiled run
+    (aot_eager draws dropout as eager does). RigL's update steps read dense gradients through the compiled
+    forward."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model, mode=None: compile_(model, mode=mode, backend="aot_eager"))
@@ -138,7 +142,7 @@ def test_a_compiled_training_run_with_set_updates_recompiles_nothing_and_tracks_
         torch._dynamo.utils.counters.clear()
         args = TrainArgs(max_steps=8, batch_size=4, eval_every=3, eval_batches=1, log_every=1, device="cpu",
                          progress=False, plot=False, compile=compiled)
-        train(_run_spec(fmt, args), tmp_path / name)
+        train(_run_spec(fmt, args, policy), tmp_path / name)
         return read_metrics(tmp_path / name)
 
     compiled = run("compiled", True)
@@ -146,6 +150,8 @@ def test_a_compiled_training_run_with_set_updates_recompiles_nothing_and_tracks_
     eager = run("eager", False)
     updates = [r["step"] for r in compiled if r.get("event") == "mask_update"]
     assert len(updates) == 3 and updates == [r["step"] for r in eager if r.get("event") == "mask_update"]
+    moved = [(r["pruned"], r["regrown"]) for r in compiled if r.get("event") == "mask_update"]
+    assert moved == [(r["pruned"], r["regrown"]) for r in eager if r.get("event") == "mask_update"]
     losses = [(r["step"], r["loss"]) for r in compiled if "loss" in r]
     want = [(r["step"], r["loss"]) for r in eager if "loss" in r]
     assert [s for s, _ in losses] == list(range(1, 9))
