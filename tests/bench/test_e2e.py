@@ -26,7 +26,9 @@ def test_defaults_and_recipe_map():
                                  e2e.Variant("tiny", "quickstart")]
     assert args.modes == ["eager"] and args.breakdown == []
     assert args.extra == ["+model.attention_probs_dropout_prob=0.0", "trainer.seed=1"]
-    assert e2e.parse_args(["--model", "vit"]).batch == 64
+    vit = e2e.parse_args(["--model", "vit"])
+    assert vit.batch == 256 and [v.recipe for v in vit.variant_list][:3] == ["vit_base_dense", "vit_base_static",
+                                                                             "vit_base_static"]
 
 
 @pytest.mark.parametrize("argv", [["--variants", "dense,nope"], ["--modes", "eager,fast"],
