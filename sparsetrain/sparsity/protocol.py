@@ -27,12 +27,15 @@ class FormatCaps:
       (pruned weights keep their values and receive the dense gradient).
     - ``needs_nm``: masks must be transposable 2:4 element masks (block 1x1).
     - ``derives_mask``: the forward recomputes the mask from the current weight, so a scheduler does not set it.
+    - ``shardable``: its Parameters may be sharded by FSDP2 (DTensors): a mask update, ``dense_weight`` and the
+      state dict gather them whole and each rank keeps its own shard of the result.
     """
 
     keeps_count: bool = False
     straight_through: bool = False
     needs_nm: bool = False
     derives_mask: bool = False
+    shardable: bool = False
 
 
 @runtime_checkable

@@ -1,5 +1,7 @@
 """Checkpoints under ``RUN_DIR/checkpoints/step_XXXXXXXX``: model, optimizer, scaler and per-process RNG state,
-plus the sparsity scheduler, LR schedule, data position and the run's resolved config.
+plus the sparsity scheduler, LR schedule, data position and the run's resolved config. The model and optimizer
+files are those of one process on any number of processes: under DDP they are the same on every rank, under
+FSDP2 every rank gathers the shards (:mod:`sparsetrain.training.sharded`) and each takes its shard on load.
 
 Written so that nothing written can be lost or execute code:
 
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from sparsetrain._files import fsync_path
+from sparsetrain.training import sharded
 
 STATE_FILE = "sparsetrain_state.pt"
 META_FILE = "meta.json"
@@ -147,11 +150,17 @@ def save_checkpoint(accelerator, model, optimizer, root: Path, step: int, schedu
             shutil.rmtree(tmp)
         tmp.mkdir()
     accelerator.wait_for_everyone()
-    model_state = accelerator.get_state_dict(model)   # every rank (a collective under sharded strategies)
+    inner = accelerator.unwrap_model(model)
+    if sharded.model_is_sharded(inner):   # FSDP2: every rank gathers, the files are those of one process
+        model_state = sharded.full_model_state(inner)
+        optimizer_state = sharded.full_optimizer_state(getattr(optimizer, "optimizer", optimizer))
+    else:
+        model_state = accelerator.get_state_dict(model)
+        optimizer_state = optimizer.state_dict() if main else None
     _save(rng_state(), tmp / _rng_file(accelerator.process_index))
     if main:
         _save(model_state, tmp / MODEL_FILE)
-        _save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        _save(optimizer_state, tmp / OPTIMIZER_FILE)
         if accelerator.scaler is not None:
             _save(accelerator.scaler.state_dict(), tmp / SCALER_FILE)
     accelerator.wait_for_everyone()
@@ -178,8 +187,15 @@ def save_checkpoint(accelerator, model, optimizer, root: Path, step: int, schedu
 def load_checkpoint(accelerator, model, optimizer, path: Path, saved_processes: int) -> None:
     """Restore model, optimizer, scaler and this process's RNG state (every file with weights_only=True).
     Sparsity/LR/data state is read by the caller from :func:`read_state`."""
-    accelerator.unwrap_model(model).load_state_dict(safe_load(path / MODEL_FILE, "model state"))
-    optimizer.load_state_dict(safe_load(path / OPTIMIZER_FILE, "optimizer state"))
+    inner = accelerator.unwrap_model(model)
+    model_state = safe_load(path / MODEL_FILE, "model state")
+    optimizer_state = safe_load(path / OPTIMIZER_FILE, "optimizer state")
+    if sharded.model_is_sharded(inner):   # FSDP2: each rank takes its shard of the whole tensors
+        sharded.load_full_model_state(inner, model_state)
+        sharded.load_full_optimizer_state(getattr(optimizer, "optimizer", optimizer), optimizer_state)
+    else:
+        inner.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
     if accelerator.scaler is not None and (path / SCALER_FILE).is_file():
         accelerator.scaler.load_state_dict(safe_load(path / SCALER_FILE, "scaler state"))
     rank = accelerator.process_index

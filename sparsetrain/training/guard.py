@@ -19,6 +19,7 @@ import threading
 
 import torch
 
+from sparsetrain.nn.formats.base import whole
 from sparsetrain.training.resume import RunDirError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -82,7 +83,7 @@ class Guard:
         self._count += 1
         ok = torch.isfinite(loss.detach()).all()
         if grad_norm is not None and torch.is_tensor(grad_norm):
-            ok = ok & torch.isfinite(grad_norm.detach().to(ok.device)).all()
+            ok = ok & torch.isfinite(whole(grad_norm.detach()).to(ok.device)).all()   # FSDP2: a DTensor
         first = (self._first_bad == -_NO_STEP) & ~ok
         # in place: a CUDA graph that captured this step replays into the same tensors
         self._first_bad.copy_(torch.where(first, -self._count, self._first_bad))

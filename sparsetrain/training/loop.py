@@ -42,6 +42,7 @@ from sparsetrain.training.resume import (
     resume_command,
 )
 from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
+from sparsetrain.training.sharded import prepare_fsdp, whole
 from sparsetrain.training.step import (
     GraphCaptureError,
     TrainStep,
@@ -128,6 +129,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=cpu,
                               log_with="wandb" if args.wandb else None, project_dir=str(run_dir))
     main = accelerator.is_main_process
+    prepare_fsdp(accelerator, model)   # FSDP: a setup the sparse layers cannot train under is refused here
     if resume_state is not None:  # another process count: the same global batch, from the same sample, or refused
         resume_micro, note = data_position(plan.path, resume_state, accelerator.num_processes, args.batch_size,
                                            args.grad_accum, len(data.train))
@@ -234,7 +236,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     def save(at: int) -> Path:
         # the loss check (guard.py) runs before the optimizer step; an update that overflowed the weights is
         # caught here: reading every weight once costs little next to writing them all
-        if not bool(torch.stack([torch.isfinite(p).all() for p in inner.parameters()]).all()):
+        if not bool(torch.stack([torch.isfinite(whole(p)).all() for p in inner.parameters()]).all()):
             raise NonFiniteLoss(stopped(f"non-finite weights at step {at}; nothing was saved"))
         # the window's device sum is stored as it is (not folded into a float): a resumed run adds the same
         # float32 values in the same order as an uninterrupted one

@@ -44,7 +44,7 @@ def _mlp():
 @pytest.mark.parametrize("spec,caps", [
     ("masked", FormatCaps()),
     ("masked_st", FormatCaps(straight_through=True)),
-    ("block", FormatCaps(keeps_count=True)),
+    ("block", FormatCaps(keeps_count=True, shardable=True)),
     ("2:4", FormatCaps(straight_through=True, needs_nm=True, derives_mask=True)),
 ])
 def test_builtin_caps(spec, caps):

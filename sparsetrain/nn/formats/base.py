@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from sparsetrain.sparsity.protocol import FormatCaps
 
 __all__ = ["FORMATS", "FormatCaps", "WeightFormat", "get_format", "known_formats", "register_format",
-           "resolve_format", "zero_optimizer_state"]
+           "is_sharded", "resolve_format", "whole", "write_whole", "zero_optimizer_state"]
 
 #: Registered formats by name. Built-in: masked, masked_st, block, 2:4.
 FORMATS: dict[str, type[WeightFormat]] = {}
@@ -146,6 +146,32 @@ def get_format(spec: str | type[WeightFormat] | WeightFormat, **kwargs) -> Weigh
     if isinstance(spec, WeightFormat):
         return spec
     return resolve_format(spec)(**kwargs)
+
+
+def is_sharded(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a Parameter or optimizer state sharded by FSDP2)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def whole(t: Tensor) -> Tensor:
+    """``t`` as one whole tensor: itself, or a sharded DTensor (FSDP2) gathered from every rank. Gathering is a
+    collective: every rank calls it for the same tensors in the same order."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def write_whole(t: Tensor, value: Tensor) -> None:
+    """``t.copy_(value)`` where ``value`` is the whole tensor; a sharded ``t`` keeps its own shard of ``value``
+    (every rank holds the same ``value``: no communication)."""
+    if not is_sharded(t):
+        t.copy_(value)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    t.to_local().copy_(distribute_tensor(value, t.device_mesh, t.placements, src_data_rank=None).to_local())
 
 
 def zero_optimizer_state(optimizer: torch.optim.Optimizer | None, param: Tensor, where: Tensor) -> None:

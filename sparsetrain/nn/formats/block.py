@@ -24,7 +24,14 @@ from torch import Tensor, nn
 
 from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear, register_meta
 from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
-from sparsetrain.nn.formats.base import FormatCaps, WeightFormat, register_format
+from sparsetrain.nn.formats.base import (
+    FormatCaps,
+    WeightFormat,
+    is_sharded,
+    register_format,
+    whole,
+    write_whole,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from sparsetrain.nn.sparse_linear import SparseLinear
@@ -43,9 +50,11 @@ def _current(bufs: dict, meta: BlockSparseMeta) -> bool:
 @register_format("block")
 class BlockFormat(WeightFormat):
     """Compressed block storage (values of the active blocks + CSR/transpose metadata). Topology changes keep
-    the active count (the values Parameter keeps its shape, so the optimizer keeps pointing at it)."""
+    the active count (the values Parameter keeps its shape, so the optimizer keeps pointing at it). Under FSDP2
+    ``values`` and its moments are sharded over their first (block) dimension; a mask update gathers them, moves
+    the blocks and keeps each rank's shard (``shardable``)."""
 
-    caps = FormatCaps(keeps_count=True)
+    caps = FormatCaps(keeps_count=True, shardable=True)
 
     # ---- metadata held on the layer -------------------------------------------------------------
     @staticmethod
@@ -98,7 +107,7 @@ class BlockFormat(WeightFormat):
         return block_sparse_linear(x, values, meta, bias, dense_grad_hook=hook)
 
     def dense_weight(self, layer):
-        return values_to_dense(layer.values.detach(), self.meta(layer))
+        return values_to_dense(whole(layer.values.detach()), self.meta(layer))
 
     def load(self, layer, weight, mask):
         values = layer.values
@@ -107,7 +116,10 @@ class BlockFormat(WeightFormat):
         with torch.no_grad():
             layer.mask.copy_(mask.to(layer.mask.device))
             if new.shape == values.shape:
-                values.copy_(new)
+                write_whole(values, new)
+            elif is_sharded(values):
+                raise ValueError(f"a checkpoint with {new.shape[0]} active blocks cannot load into sharded values "
+                                 f"of {values.shape[0]}: load it before the model is sharded")
             else:
                 # Another active count: same Parameter object, new storage. Optimizer state built for the
                 # old shape is stale; the schedulers load checkpoints before building the optimizer.
@@ -133,10 +145,11 @@ class BlockFormat(WeightFormat):
         keep = old_m & new_m
         src, dst = slot_old[keep], slot_new[keep]
 
-        def move(t: Tensor) -> None:
-            moved = torch.zeros_like(t)
-            moved[dst] = t[src]
-            t.copy_(moved)
+        def move(t: Tensor) -> None:   # a sharded t (FSDP2): gathered, moved whole, each rank keeps its shard
+            full = whole(t)
+            moved = torch.zeros_like(full)
+            moved[dst] = full[src]
+            write_whole(t, moved)
 
         with torch.no_grad():
             move(values.data)
