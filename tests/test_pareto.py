@@ -1,11 +1,30 @@
-"""Tests for sparsetrain.pareto on synthetic run directories (single runs, a Hydra multirun, unfinished)."""
+"""Tests for sparsetrain.pareto on synthetic run directories (single runs, a Hydra multirun, unfinished): the
+table, the plot (frontiers, labels that never overlap), the CSV and markdown tables, the dense step counts."""
+import csv
+import itertools
 import math
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from sparsetrain.pareto import collect_runs, format_table, main, plot_pareto, read_run
-from sparsetrain.training.metrics import MetricsLogger, read_metrics, write_summary
+from sparsetrain.pareto import (
+    CSV_COLUMNS,
+    RunResult,
+    collect_runs,
+    dense_steps,
+    format_table,
+    frontier,
+    main,
+    pareto_figure,
+    place_labels,
+    plot_pareto,
+    point_label,
+    read_run,
+    write_tables,
+)
+from sparsetrain.training.metrics import MetricsLogger, read_metrics, train_seconds, write_summary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -18,8 +37,9 @@ def _make_run(run_dir, method, density, rng, steps=100, finished=True, evals=Tru
     with MetricsLogger(run_dir) as log:
         for step in range(10, steps + 1, 10):
             loss = loss_floor + 3 * math.exp(-step / 30)
-            log.log({"step": step, "loss": loss, "lr": 1e-3, "train_flops": flops_per_step * step,
-                     "tokens_per_s": 4e4, "density": density, "elapsed_s": 0.5 * step})
+            row = {"step": step, "loss": loss, "lr": 1e-3, "train_flops": flops_per_step * step,
+                   "tokens_per_s": 4e4, "density": density}
+            log.log(row | ({"elapsed_s": 0.5 * step} if wall else {}))
             if evals and step % 50 == 0:
                 row = {"step": step, "eval_loss": loss + 0.1, "train_flops": flops_per_step * step,
                        "elapsed_s": 0.5 * step}
@@ -41,7 +61,8 @@ def _make_run(run_dir, method, density, rng, steps=100, finished=True, evals=Tru
                 "wall": 0.55 * steps if wall else None}
     write_summary(run_dir, status="finished", method=method, recipe="bert_tiny", density=density,
                   block="16x16", steps=steps, final_eval_loss=expected["loss"],
-                  total_train_flops=expected["flops"], wall_s=expected["wall"], tokens_per_s=4e4)
+                  total_train_flops=expected["flops"], wall_s=expected["wall"], tokens_per_s=4e4,
+                  train_s=0.45 * steps if wall else None)
     return expected
 
 
@@ -70,15 +91,15 @@ def runs_tree(tmp_path):
 def _parse_table(text):
     lines = text.splitlines()
     header = lines[0].split()
-    assert header == ["method", "density", "block", "steps", "FLOPs", "wall", "s", "eval", "loss", "status",
-                      "path"]
+    assert header == ["method", "density", "block", "seed", "steps", "FLOPs", "GPU", "s", "wall", "s", "eval", "loss",
+                      "status", "path"]
     rows = {}
     for line in lines[1:]:
         if line.startswith("* "):
             continue
-        method, density, block, steps, flops, wall, loss, status, path = line.split()
-        rows[path] = {"method": method, "density": float(density), "block": block, "steps": steps,
-                      "flops": flops, "wall": wall, "loss": loss, "status": status}
+        method, density, block, seed, steps, flops, gpu, wall, loss, status, path = line.split()
+        rows[path] = {"method": method, "density": float(density), "block": block, "seed": seed, "steps": steps,
+                      "flops": flops, "gpu": gpu, "wall": wall, "loss": loss, "status": status}
     return rows
 
 
@@ -101,6 +122,7 @@ def test_collect_and_table(runs_tree, monkeypatch):
             assert float(row["wall"]) == pytest.approx(exp["wall"], abs=0.05)
         if exp["status"] == "finished":
             assert row["method"] == exp["method"] and row["block"] == "16x16" and row["steps"] == "100"
+            assert float(row["gpu"]) == pytest.approx(45.0)   # the summary's train_s
     # Unfinished runs: labels from .hydra/config.yaml, steps from metrics.
     assert table["runs/crashed"]["method"] == "RigL" and table["runs/crashed"]["block"] == "16x16"
     assert table["runs/early"]["method"] == "unknown" and table["runs/early"]["steps"] == "40"
@@ -132,7 +154,7 @@ def test_plot_two_panels_and_one_panel(runs_tree, tmp_path):
     root, _ = runs_tree
     runs = collect_runs([root / "runs", root / "multirun"])
     both = _check_png(plot_pareto(runs, tmp_path / "out/both.png"))
-    # One finished run without wall time: the wall-clock panel is dropped (a narrower figure).
+    # One finished run without any time (summary or rows): the time panel is dropped (a narrower figure).
     rng = random.Random(5)
     _make_run(root / "untimed", "static", 0.3, rng, wall=False)
     runs = collect_runs([root / "runs", root / "untimed"])
@@ -200,3 +222,139 @@ def test_labels_old_and_new_summaries_and_unfinished_runs(tmp_path):
     labels = {r.path.name: r.method for r in collect_runs([tmp_path])}
     assert labels == {name: label for name, (_, _, label) in runs.items()}
     assert "my_policies" not in sys.modules  # a label never imports the user's module
+
+
+# --------------------------------------------------------------------------------------------------
+# Frontiers, labels, tables, dense step counts
+# --------------------------------------------------------------------------------------------------
+def _result(method, density, block, loss, flops, gpu_s, steps=800, seed=0, path=None):
+    return RunResult(Path(path or f"{method}/{density}/{block}/{seed}/{steps}"), method, density, block, loss, flops,
+                     None if gpu_s is None else gpu_s * 1.1, "finished", steps=steps, gpu_s=gpu_s, seed=seed,
+                     device="NVIDIA H100 80GB HBM3", date="2026-11-26")
+
+
+def _crowded_study(seeds=(0, 1)):
+    """4 methods x 3 densities x 3 blocks x seeds at the same few FLOP totals and near-equal losses, and dense
+    runs: the layout of the real study, as crowded as it gets."""
+    rng = random.Random(3)
+    runs = []
+    for method, density, block, seed in itertools.product(
+            ["static", "prune_regrow/random", "prune_regrow/gradient", "gradual_magnitude"], (0.5, 0.25, 0.1),
+            ("1", "16", "64"), seeds):
+        runs.append(_result(method, density, block, 4.5 - 0.5 * density + rng.uniform(0, 0.03),
+                            3e15 * (0.2 + 0.8 * density), 16 + rng.uniform(-0.5, 0.5), seed=seed))
+    for steps, seed in itertools.product((800, 600, 400, 250), seeds):
+        runs.append(_result("dense", 1.0, "-", 4.0 + 100 / steps, 3e12 * steps, 0.02 * steps, steps, seed))
+    return runs
+
+
+def test_frontier_is_the_lower_left_envelope():
+    pts = [_result("static", 0.1, "16", loss, flops, None, path=str(i))
+           for i, (flops, loss) in enumerate([(1, 5.0), (2, 4.0), (2, 4.5), (3, 4.2), (4, 3.0), (0.5, 6.0)])]
+    best = frontier(pts, lambda r: r.total_train_flops)
+    assert [(r.total_train_flops, r.final_eval_loss) for r in best] == [(0.5, 6.0), (1, 5.0), (2, 4.0), (4, 3.0)]
+
+
+def test_place_labels_never_overlap_and_are_deterministic():
+    rng = random.Random(0)
+    anchors = [(100 + rng.uniform(0, 40), 100 + rng.uniform(0, 40)) for _ in range(80)]   # 80 labels in 40x40 px
+    sizes = [(rng.uniform(20, 70), 9.0) for _ in anchors]
+    markers = [(x - 4, y - 4, x + 4, y + 4) for x, y in anchors]
+    bounds = (0, 0, 500, 400)
+    boxes = place_labels(anchors, sizes, markers, bounds=bounds, gap=2.0)
+    assert boxes == place_labels(anchors, sizes, markers, bounds=bounds, gap=2.0)
+    for (x0, y0, x1, y1), (w, h) in zip(boxes, sizes):
+        assert (x1 - x0, y1 - y0) == pytest.approx((w, h))
+        assert bounds[0] <= x0 and x1 <= bounds[2] and bounds[1] <= y0 and y1 <= bounds[3]
+    apart = lambda a, b: a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1]  # noqa: E731
+    assert all(apart(a, b) for a, b in itertools.combinations(boxes, 2))
+    assert all(apart(a, m) for a in boxes for m in markers)
+    # nowhere inside the bounds is free: the labels go outside them, still without overlaps
+    tight = place_labels(anchors[:20], sizes[:20], bounds=(100, 100, 140, 140), rings=3)
+    assert all(apart(a, b) for a, b in itertools.combinations(tight, 2))
+
+
+def test_figure_labels_never_overlap_and_tell_runs_apart():
+    from matplotlib.text import Text
+
+    runs = _crowded_study()
+    fig = pareto_figure(runs)
+    fig.canvas.draw()                       # as savefig does: the annotations take their final positions
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        texts = [t for t in ax.texts if t.get_text()]
+        assert sorted(t.get_text() for t in texts) == sorted(point_label(r, with_seed=True) for r in runs)
+        assert len({(t.get_color(), t.get_text()) for t in texts}) == len(runs)  # colour (method) + text: one run
+        boxes = [Text.get_window_extent(t, renderer) for t in texts]   # the text alone, not its leader line
+        for a, b in itertools.combinations(boxes, 2):
+            assert not a.overlaps(b), (a, b)
+    labels = {t.get_text() for t in fig.axes[0].texts}
+    assert {"800 steps s0", "0.1 16x16 s1", "0.25 1x1 s0"} <= labels
+    assert [ax.get_xlabel().split(" (")[0] for ax in fig.axes] == ["total training FLOPs", "training GPU-seconds"]
+
+
+def test_tables_beside_the_png(tmp_path):
+    runs = _crowded_study(seeds=(0,))
+    csv_path, md_path = write_tables(runs, tmp_path / "study" / "pareto.png")
+    assert (csv_path.name, md_path.name) == ("pareto.csv", "pareto.md")
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == CSV_COLUMNS and len(rows) == len(runs)
+    dense = sorted(int(r["steps"]) for r in rows if r["method"] == "dense")
+    assert dense == [250, 400, 600, 800] and all(r["frontier"] == "FLOPs time" for r in rows if r["method"] == "dense")
+    by_key = {(r["method"], r["density"], r["block"]): r for r in rows}
+    assert float(by_key["static", "0.1", "16"]["final_eval_loss"]) == pytest.approx(
+        next(r.final_eval_loss for r in runs if (r.method, r.density, r.block) == ("static", 0.1, "16")))
+    assert sum(bool(r["frontier"]) for r in rows if r["method"] == "static") >= 3   # one per FLOP level at least
+    md = md_path.read_text().splitlines()
+    assert "NVIDIA H100 80GB HBM3, 2026-11-26" in md[0] and "Warning" not in md_path.read_text()
+    assert sum(line.startswith("| ") for line in md) == len(runs) + 1
+    assert "| dense | 1 | - | 0 | 800 |" in md_path.read_text()
+
+
+def test_dense_steps_match_flops_and_gpu_seconds():
+    dense = _result("dense", 1.0, "-", 4.0, 3e12 * 800, 16.0)           # 3e12 FLOPs and 20 ms per step
+    sparse = [_result(m, d, b, 4.5, 3e12 * 800 * ratio, seconds, seed=s)
+              for m in ("static", "prune_regrow/random") for s in (0, 1)
+              for d, ratio, b, seconds in ((0.5, 0.6, "16", 16.5), (0.5, 0.6, "64", 15.0), (0.1, 0.27, "16", 12.0),
+                                           (0.1, 0.27, "64", 8.0), (0.1, 0.27, "1", 50.0))]
+    chosen = dense_steps([dense, *sparse])
+    assert chosen == [(216, "FLOPs of density 0.1 (6.5e+14)"), (400, "GPU-seconds of 0.1 64x64 (8.0 s)"),
+                      (480, "FLOPs of density 0.5 (1.4e+15)"), (600, "GPU-seconds of 0.1 16x16 (12.0 s)"),
+                      (750, "GPU-seconds of 0.5 64x64 (15.0 s)"),
+                      (1600, "GPU-seconds of 0.1 1x1 (50.0 s)")]   # 2500 capped at 2 x 800; 825 is within 5% of 800
+    done = [_result("dense", 1.0, "-", 4.0, 3e12 * n, 0.02 * n, steps=n) for n, _ in chosen[:3]]
+    assert [n for n, _ in dense_steps([dense, *done, *sparse])] == [600, 750, 1600]   # what is left to run
+    with pytest.raises(ValueError, match="0 dense"):
+        dense_steps(sparse)
+
+
+def test_main_dense_steps_prints_only_the_list(tmp_path, capsys):
+    root = tmp_path / "study"
+    rng = random.Random(2)
+    _make_run(root / "dense/reference", "dense", 1.0, rng)
+    for i, d in enumerate((0.5, 0.1)):
+        _make_run(root / f"sparse/{i}", "static", d, rng)
+    assert main([str(root), "--dense-steps"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and all(n.isdigit() for n in out.strip().split(","))
+    assert "FLOPs of density 0.1" in err and not (tmp_path / "pareto.png").exists()
+    assert main([str(root / "sparse"), "--dense-steps"]) == 1
+    assert "dense" in capsys.readouterr().err
+
+
+def test_gpu_seconds_from_summary_or_rows_times_processes(tmp_path):
+    rng = random.Random(4)
+    _make_run(tmp_path / "new", "static", 0.1, rng)
+    _make_run(tmp_path / "old", "static", 0.1, rng)
+    write_summary(tmp_path / "old", status="finished", method="static", density=0.1, steps=100, final_eval_loss=3.0,
+                  total_train_flops=1e15, wall_s=55.0, processes=2)   # written before summaries had train_s
+    new, old = read_run(tmp_path / "new"), read_run(tmp_path / "old")
+    assert new.gpu_s == pytest.approx(45.0)
+    assert old.gpu_s == pytest.approx(2 * train_seconds(read_metrics(tmp_path / "old"), 100)) and old.gpu_s > 0
+
+
+def test_tables_warn_when_step_modes_differ(tmp_path):
+    runs = [replace(r, step_mode="eager" if i < 2 else "cuda_graph") for i, r in enumerate(_crowded_study((0,)))]
+    _, md_path = write_tables(runs, tmp_path / "pareto.png")
+    assert "different step modes (38 cuda_graph, 2 eager" in md_path.read_text()
