@@ -31,6 +31,7 @@ def test_packed_shapes_and_framing(mlm):
     assert mlm.vocab_size == len(tok) == 2048 and int(ids.max()) < mlm.vocab_size
     item = mlm.train[7]
     assert item["index"] == 7 and item["input_ids"].dtype == torch.long and item["input_ids"].shape == (64,)
+    assert ids.dtype == torch.int16  # stored narrow (a 2048-token vocabulary fits), read as int64
     assert tok.mask_token_id is not None and tok.decode(ids[0, 1:20]).strip()
 
 
