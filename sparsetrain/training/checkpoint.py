@@ -121,8 +121,8 @@ def rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():   # this process's GPU only: a resume may run on a machine with fewer GPUs
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -132,8 +132,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if torch.cuda.is_available() and cuda is not None:
+        device = torch.cuda.current_device()
+        if isinstance(cuda, (list, tuple)):   # written before: one state per GPU of the machine that wrote it
+            cuda = cuda[device] if device < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
 
 
 def save_checkpoint(accelerator, model, optimizer, root: Path, step: int, scheduler, extra: dict[str, Any],

@@ -88,6 +88,16 @@ class MaskAgreement:
                             f"its grad argument and self.generator, never rank-local state)")
 
 
+def collective_device() -> torch.device:
+    """Where the tensors of a collective live: NCCL takes this process's GPU only (whatever device the model or
+    its masks are on, e.g. CPU zeros for a model without sparse layers), gloo the CPU."""
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def compare_masks(model: nn.Module, processes: int) -> MaskAgreement:
     """Compare every rank's masks with rank 0's: a collective when ``processes > 1`` (every rank must call it
     at the same step), nothing otherwise."""
@@ -96,9 +106,7 @@ def compare_masks(model: nn.Module, processes: int) -> MaskAgreement:
     import torch.distributed as dist
 
     names, hashes = layer_signatures(model)
-    # on the model's device: NCCL gathers CUDA tensors only (a model without sparse layers has CPU zeros)
-    device = next(iter(model.parameters()), hashes).device
-    local = torch.cat([hashes.sum().reshape(1), hashes]).to(device)   # [whole model, layer 0, layer 1, ...]
+    local = torch.cat([hashes.sum().reshape(1), hashes]).to(collective_device())  # [model, layer 0, layer 1, ...]
     gathered = [torch.empty_like(local) for _ in range(processes)]
     dist.all_gather(gathered, local)
     table = torch.stack(gathered).tolist()                               # the one host sync

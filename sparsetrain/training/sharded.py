@@ -95,11 +95,12 @@ def prepare_fsdp(accelerator, model: nn.Module) -> None:
     plugin = state.fsdp_plugin
     if getattr(plugin, "fsdp_version", 1) != 2:
         raise ValueError("accelerate config fsdp_config.fsdp_version: 1 flattens each unit's parameters into one "
-                         "FlatParameter, which the sparse layers' formats cannot address; use fsdp_version: 2")
+                         "FlatParameter, which the sparse layers' formats cannot address; use fsdp_version: 2 "
+                         "(accelerate launch --fsdp_version 2)")
     if plugin.cpu_ram_efficient_loading:
         raise ValueError("accelerate config fsdp_config.fsdp_cpu_ram_efficient_loading: true reloads the model by "
                          "parameter name, which a SparseLinear's state dict (dense weight + mask) does not match; "
-                         "set it to false")
+                         "set it to false (accelerate launch --fsdp_cpu_ram_efficient_loading false)")
     if type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy":   # FSDP2's no-offload policy is OffloadPolicy()
         raise ValueError("accelerate config fsdp_config.fsdp_offload_params: true keeps the sparse values on the "
                          "CPU, away from their block index on the GPU; set it to false")

@@ -150,3 +150,25 @@ def test_micro_batches_that_cannot_start_at_the_checkpoint_sample_are_refused():
                                               "trainer.grad_accum=2 with 2 process(es) x trainer.batch_size=4 x "
                                               "trainer.grad_accum=1: the same global batch (8)")
     assert data_position("ckpt", {**state, "processes": 1}, 1, 4, 2, samples=42) == (5, None)  # nothing changed
+
+
+def test_random_state_of_a_gpu_process_resumes_on_a_machine_with_fewer_gpus(monkeypatch):
+    """Each process keeps its own GPU's random state: a checkpoint of a two-GPU machine (rank 1 on cuda:1) or an
+    older one holding every GPU's state resumes on one GPU (torch.cuda.set_rng_state_all would index cuda:1)."""
+    states = {0: torch.tensor([0], dtype=torch.uint8), 1: torch.tensor([1], dtype=torch.uint8)}
+    device, restored = [1], {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda i: states[i])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.__setitem__(i, s))
+    saved = ckpt.rng_state()
+    assert saved["cuda"].equal(states[1])                       # rank 1 saves cuda:1's state only
+    device[0] = 0                                               # resumed as the one process of a one-GPU machine
+    ckpt.set_rng_state(saved)
+    assert list(restored) == [0] and restored[0].equal(states[1])
+    restored.clear()
+    ckpt.set_rng_state({**saved, "cuda": [states[0], states[1]]})   # an older checkpoint: one state per GPU
+    assert list(restored) == [0] and restored[0].equal(states[0])
+    device[0], restored = 2, {}
+    ckpt.set_rng_state({**saved, "cuda": [states[0], states[1]]})   # no state for this GPU: left as seeded
+    assert restored == {}
