@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sparsetrain._plot_labels import place_labels
 from sparsetrain.pareto import (
     CSV_COLUMNS,
     RunResult,
@@ -18,7 +19,6 @@ from sparsetrain.pareto import (
     frontier,
     main,
     pareto_figure,
-    place_labels,
     plot_pareto,
     point_label,
     read_run,
