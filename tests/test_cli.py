@@ -81,7 +81,6 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     assert all(ma[k].equal(mb[k]) for k in ma)
 
 
-@pytest.mark.slow
 def _kill_processes_mentioning(text: str) -> None:
     """SIGKILL every process whose command line contains ``text`` (Linux /proc): never leave workers behind,
     and never let their open pipes keep the test waiting."""
@@ -95,6 +94,7 @@ def _kill_processes_mentioning(text: str) -> None:
             continue
 
 
+@pytest.mark.slow
 def test_two_process_run_has_identical_masks(tmp_path):
     d = tmp_path / "ddp"
     e = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
