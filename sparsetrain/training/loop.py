@@ -266,7 +266,9 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
 
     # -- 5. the loop -------------------------------------------------------------------------------
     model.train()
-    last_eval = None
+    # a resumed run reports the evaluation it already logged until it evaluates again (resuming a finished run
+    # rewrote its summary with no final_eval_loss)
+    last_eval = _last_eval(read_metrics(run_dir), step) if step else None
     rate_key = "tokens_per_s" if seq_len else "samples_per_s"
     if torch.cuda.is_available() and not cpu:
         torch.cuda.reset_peak_memory_stats()
@@ -397,6 +399,12 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
     accelerator.end_training()
     return summary
+
+
+def _last_eval(rows: list[dict], step: int) -> dict | None:
+    """The ``eval_*`` values of the last evaluation row at or before ``step`` (None if there is none)."""
+    evals = [r for r in rows if "eval_loss" in r and r.get("step", 0) <= step]
+    return {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else None
 
 
 _ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]

@@ -189,3 +189,12 @@ def test_checkpoint_files_and_directories_are_fsynced(tmp_path, monkeypatch):
     names = {Path(p).name for p in synced}
     assert {ckpt.STATE_FILE, ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, "rng_state_0.pt", ckpt.META_FILE} <= names
     assert str(root) in synced and str(root / ".tmp_step_00000004") in synced
+
+
+def test_resuming_a_finished_run_keeps_its_final_eval_loss(tmp_path):
+    d = tmp_path / "run"
+    first = train(_spec(eval_every=6), d)
+    assert first["final_eval_loss"] is not None
+    again = train(_spec(eval_every=6, resume="auto"), d)        # resumed at its last checkpoint (step 12): no steps
+    assert again["steps"] == 12 and again["final_eval_loss"] == first["final_eval_loss"]
+    assert json.loads((d / "summary.json").read_text())["final_eval_loss"] == first["final_eval_loss"]
