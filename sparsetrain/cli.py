@@ -69,6 +69,11 @@ def _prevalidate(argv: Sequence[str]) -> tuple[str | None, Path | None]:
         return None, None
     overrides = [a for a in argv if not a.startswith("-")]
     try:
+        if flags and (first := _sweep(overrides)):  # a recipe's own grid (hydra.sweeper.params) joins the
+            # command line's, which wins per key
+            params = OmegaConf.select(compose(first[0], return_hydra_config=True), "hydra.sweeper.params") or {}
+            given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+            overrides = [f"{k}={v}" for k, v in params.items() if k not in given] + overrides
         jobs = _sweep(overrides) if flags else [overrides]
         for job in jobs or []:
             validate(compose(job))

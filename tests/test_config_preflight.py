@@ -184,3 +184,16 @@ def test_flops_names_the_update_cost_only_for_a_dense_gradient_policy(capsys):
     assert cli.main(["flops", "recipe=quickstart", "sparsity=rigl"]) == 0
     out = capsys.readouterr().out
     assert "RigL's dense gradient adds" in out and "RigL adds" not in out
+
+
+def test_a_recipe_s_own_sweep_grid_is_validated_too(tmp_path, capsys):
+    # pareto_bert_small keeps its grid in hydra.sweeper.params; forcing the block format makes its block-1 and
+    # gradual points invalid, which must stop the sweep before any run starts
+    sweep = tmp_path / "multirun"
+    rc = cli.main(["train", "-m", "recipe=pareto_bert_small", "sparsity.format=block", f"hydra.sweep.dir={sweep}"])
+    assert rc == 2 and not sweep.exists()
+    assert capsys.readouterr().err.startswith("error: sparsity.")
+    # the command line wins per key: the same grid restricted to valid points passes
+    problem, _ = cli._prevalidate(["-m", "recipe=pareto_bert_small", "sparsity=static", "sparsity.block=16,64",
+                                   "sparsity.density=0.1", f"hydra.sweep.dir={sweep}"])
+    assert problem is None
