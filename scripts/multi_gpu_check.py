@@ -28,7 +28,9 @@ FSDP = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_cpu_ram_efficient_loading",
 
 
 def run(name: str, out: Path, recipe: str, processes: int, steps: int, extra: list[str] = (),
-        launch: list[str] = ()) -> Path:
+        launch: list[str] = ()) -> Path | None:
+    """One CLI run under ``accelerate launch``; its directory, or None (printed as FAIL) when it exited non-zero,
+    so that one failed run does not stop the checks after it."""
     d = out / name
     several = ["--multi_gpu"] if processes > 1 and not launch else []   # DDP; FSDP comes with its own flags
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), *several,
@@ -38,7 +40,10 @@ def run(name: str, out: Path, recipe: str, processes: int, steps: int, extra: li
            f"sparsity.scheduler.num_updates={max(2, steps // 10)}", f"hydra.run.dir={d}", *extra]
     print("$", " ".join(cmd), flush=True)
     env = {**os.environ, "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0")}
-    subprocess.run(cmd, check=True, env=env)
+    done = subprocess.run(cmd, env=env)
+    if done.returncode:
+        print(f"FAIL  {name}: exit status {done.returncode}", flush=True)
+        return None
     return d
 
 
@@ -90,22 +95,39 @@ def main() -> int:
     if "ddp" in parts or "resume" in parts:
         for recipe in ("bert_phase1_dynamic", "bert_rigl"):
             two = run(f"{recipe}_ddp2", a.out, recipe, 2, steps)
+            if two is None:
+                c.failed.append(f"{recipe}_ddp2 did not finish")
+                continue
             masks_identical(c, two)
             if "ddp" in parts:
-                one = run(f"{recipe}_gpu1", a.out, recipe, 1, steps)
+                # the same step mode as the 2-process run (CUDA graphs need one process): compiled, no graph
+                one = run(f"{recipe}_gpu1", a.out, recipe, 1, steps, ["trainer.cuda_graph=false"])
+                if one is None:
+                    c.failed.append(f"{recipe}_gpu1 did not finish")
+                    continue
                 ratio = summary(two)["tokens_per_s"] / summary(one)["tokens_per_s"]
                 c.expect(ratio >= 1.85, f"{recipe}: 2 GPUs / 1 GPU tokens/s = {ratio:.2f}x (target >= 1.85x)")
                 c.table.append((recipe, f"{summary(one)['tokens_per_s']:.0f} -> {summary(two)['tokens_per_s']:.0f} "
-                                        f"tokens/s ({ratio:.2f}x)"))
+                                        f"tokens/s ({ratio:.2f}x), step mode {summary(two)['step_mode']}"))
     if "fsdp" in parts or "resume" in parts:
         fsdp = run("bert_rigl_fsdp2", a.out, "bert_rigl", 2, steps, ["trainer.compile=false"], FSDP)
-        masks_identical(c, fsdp)
-        follows(c, a.out / "bert_rigl_ddp2", fsdp)
+        if fsdp is None:
+            c.failed.append("bert_rigl_fsdp2 did not finish")
+        else:
+            masks_identical(c, fsdp)
+            if (a.out / "bert_rigl_ddp2" / "summary.json").exists():
+                follows(c, a.out / "bert_rigl_ddp2", fsdp)
     if "resume" in parts:
         for source in ("bert_rigl_fsdp2", "bert_rigl_ddp2"):
             middle = a.out / source / "checkpoints" / f"step_{steps // 2:08d}"
+            if not middle.is_dir():
+                c.failed.append(f"no checkpoint {middle} to resume")
+                continue
             resumed = run(f"{source}_on_gpu1", a.out, "bert_rigl", 1, steps,
                           ["trainer.grad_accum=2", "trainer.compile=false", f"trainer.resume={middle}"])
+            if resumed is None:
+                c.failed.append(f"{source}_on_gpu1 did not finish")
+                continue
             follows(c, a.out / source, resumed)
     for name, value in c.table:
         print(f"| {name} | {value} |")
