@@ -68,6 +68,63 @@ def test_cuda_dds_entry_info_and_warp_ranges():
         assert set(wb) <= set(pptr.tolist())  # every range starts at an output block's first entry
 
 
+# Every CUDA X-stationary tile, forward and input gradient, on a BERT-base-like layer (768 x 768 at 10%) whose
+# last warp range ends at the end of the entry table with fewer than 32 entries.
+_SANITIZED_DDS = """
+import torch
+from sparsetrain.kernels.blocksparse import _cuda, plans
+from sparsetrain.kernels.blocksparse._cuda_tables import warp_bounds
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+from sparsetrain.kernels.blocksparse.testing import forced_config
+
+gen = torch.Generator().manual_seed(0)
+meta = BlockSparseMeta.from_mask(torch.rand(48, 48, generator=gen) < 0.1, 16).to("cuda")
+a = torch.randn(300, 768, device="cuda", dtype=torch.bfloat16)
+values = torch.randn(meta.n_blocks, 16, 16, device="cuda", dtype=torch.bfloat16)
+tiles = _cuda.candidates(a, 16, 768)
+assert tiles, "the CUDA kernel did not build"
+for forward in (True, False):
+    pptr = meta.padded_entries(forward, 1)[0]
+    for cfg in tiles:
+        wb = warp_bounds(pptr, cfg.splits * _cuda._lib(a.device).sparsetrain_bs_dds_warps(16, cfg.mt, cfg.half))
+        assert 0 < int(wb[-1] - wb[-2]) < 32 and int(wb[-1]) % 32, (cfg, wb.tolist())
+        with forced_config(fwd=cfg, dx=cfg):
+            plans.dds(a, values, meta, None, forward)
+torch.cuda.synchronize()
+print("launched", len(tiles), "tiles")
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_dds_reads_nothing_past_its_entry_table():
+    """The X-stationary kernel's first batch of entry infos: a lane past its warp's range reads nothing. Each
+    warp used to load 32 entries whenever its range held one, so the warp whose range ends the table read up to
+    31 entries (496 bytes) past it: harmless inside a caching-allocator segment, an illegal address where the
+    table ends one. Checked by compute-sanitizer's memcheck on every tile with the caching allocator off (each
+    tensor its own allocation, so a read past the table is outside any); it reported the read before the fix."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sparsetrain.kernels._runtime.cuda_build import nvcc_path
+
+    nvcc = nvcc_path()
+    near_nvcc = Path(nvcc).parent / "compute-sanitizer" if nvcc else None
+    sanitizer = str(near_nvcc) if near_nvcc and near_nvcc.is_file() else shutil.which("compute-sanitizer")
+    assert sanitizer, "compute-sanitizer (CUDA toolkit, beside nvcc) is needed for this test"
+    _cuda.candidates(torch.empty(1, 768, device="cuda", dtype=torch.bfloat16), 16, 768)  # build the library here
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    done = subprocess.run([sanitizer, "--tool", "memcheck", "--kernel-name", "kns=bs_dds_kernel",
+                           "--error-exitcode", "99", sys.executable, "-c", _SANITIZED_DDS],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "launched" in out, out[-4000:]
+    assert "ERROR SUMMARY: 0 errors" in out, out[-4000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "dense", "single"])
