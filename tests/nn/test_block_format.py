@@ -413,6 +413,34 @@ def test_fast_call_is_kept_and_invalidated_when_it_must_be(monkeypatch):
     calls(1)
 
 
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_state_dict_loaded_into_a_layer_that_ran_computes_the_loaded_topology(moved):
+    """What a resume does to each layer, on the kernels (interpreted here): a layer whose metadata keeps launch
+    plans and a FastCall loads a state dict of another topology (after a move, which re-wraps the metadata,
+    when ``moved``); its forward and gradients are then those of the loaded weight, on fresh inputs."""
+    def layer(seed):
+        return SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block",
+                                       generator=torch.Generator().manual_seed(seed))
+
+    torch.manual_seed(0)
+    src, dst = layer(2), layer(1)
+    assert not torch.equal(src.mask, dst.mask)
+    for _ in range(2):  # the second call takes the FastCall
+        _grads_vs_reference(dst, torch.randn(2, 13, 64), 1e-5)
+    if moved:
+        dst._apply(lambda t: t.clone())
+        _grads_vs_reference(dst, torch.randn(2, 13, 64), 1e-5)
+    ran = BlockFormat.meta(dst)
+    assert ran._groups["plans"] and ran._groups["calls"]
+    dst.load_state_dict(src.state_dict())
+    assert BlockFormat.meta(dst) is not ran and torch.equal(dst.mask, src.mask)
+    torch.testing.assert_close(dst.dense_weight(), src.dense_weight(), rtol=0, atol=0)
+    for _ in range(2):
+        x = torch.randn(2, 13, 64)
+        torch.testing.assert_close(dst(x), x @ src.dense_weight().t() + src.bias, rtol=1e-5, atol=1e-5)
+        _grads_vs_reference(dst, x, 1e-5)
+
+
 def test_fast_call_under_autocast_matches_reference():
     """Under autocast only x is cast (float32 values and bias, float32 gradients), on the fast path as on the first
     call; a new autocast dtype is another signature."""
