@@ -1,10 +1,11 @@
 """What issue 22 asks of a machine with two GPUs (NCCL), run through the real CLI; exits 1 on a failed check.
 
     python scripts/multi_gpu_check.py [--out runs/multi_gpu] [--steps 60] [--only ddp,fsdp,resume]
+        [--recipes bert_phase1_dynamic,bert_rigl] [--extra trainer.compile=false ...]
 
 * ddp: ``bert_phase1_dynamic`` and ``bert_rigl`` (block format) on 2 GPUs with ``accelerate launch``: every
   mask_update row and the summary say ``ranks_masks_identical: true``; tokens/s of 2 GPUs against 1 (the same
-  per-GPU batch; target >= 1.85x).
+  per-GPU batch and settings, so the same step mode where both can replay CUDA graphs; target >= 1.85x).
 * fsdp: ``bert_rigl`` under FSDP2 (full shard, one group per BertLayer): masks identical at every update, and
   its losses follow the DDP run's (bf16: within 2%).
 * resume: the FSDP and the DDP run's middle checkpoints continue on one GPU with ``trainer.grad_accum=2`` (the
@@ -90,27 +91,28 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("runs/multi_gpu"))
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--only", default="ddp,fsdp,resume")
+    ap.add_argument("--recipes", default="bert_phase1_dynamic,bert_rigl", help="the DDP part's recipes")
+    ap.add_argument("--extra", action="append", default=[], help="an override for every run (repeatable)")
     a = ap.parse_args()
     parts, c, steps = set(a.only.split(",")), Checks(), a.steps
     if "ddp" in parts or "resume" in parts:
-        for recipe in ("bert_phase1_dynamic", "bert_rigl"):
-            two = run(f"{recipe}_ddp2", a.out, recipe, 2, steps)
+        for recipe in a.recipes.split(","):
+            two = run(f"{recipe}_ddp2", a.out, recipe, 2, steps, a.extra)
             if two is None:
                 c.failed.append(f"{recipe}_ddp2 did not finish")
                 continue
             masks_identical(c, two)
             if "ddp" in parts:
-                # the same step mode as the 2-process run (CUDA graphs need one process): compiled, no graph
-                one = run(f"{recipe}_gpu1", a.out, recipe, 1, steps, ["trainer.cuda_graph=false"])
+                one = run(f"{recipe}_gpu1", a.out, recipe, 1, steps, a.extra)   # the same settings on one GPU
                 if one is None:
                     c.failed.append(f"{recipe}_gpu1 did not finish")
                     continue
                 ratio = summary(two)["tokens_per_s"] / summary(one)["tokens_per_s"]
                 c.expect(ratio >= 1.85, f"{recipe}: 2 GPUs / 1 GPU tokens/s = {ratio:.2f}x (target >= 1.85x)")
                 c.table.append((recipe, f"{summary(one)['tokens_per_s']:.0f} -> {summary(two)['tokens_per_s']:.0f} "
-                                        f"tokens/s ({ratio:.2f}x), step mode {summary(two)['step_mode']}"))
+                                        f"tokens/s ({ratio:.2f}x), step mode {summary(one)['step_mode']} / {summary(two)['step_mode']}"))
     if "fsdp" in parts or "resume" in parts:
-        fsdp = run("bert_rigl_fsdp2", a.out, "bert_rigl", 2, steps, ["trainer.compile=false"], FSDP)
+        fsdp = run("bert_rigl_fsdp2", a.out, "bert_rigl", 2, steps, [*a.extra, "trainer.compile=false"], FSDP)
         if fsdp is None:
             c.failed.append("bert_rigl_fsdp2 did not finish")
         else:
@@ -124,7 +126,7 @@ def main() -> int:
                 c.failed.append(f"no checkpoint {middle} to resume")
                 continue
             resumed = run(f"{source}_on_gpu1", a.out, "bert_rigl", 1, steps,
-                          ["trainer.grad_accum=2", "trainer.compile=false", f"trainer.resume={middle}"])
+                          [*a.extra, "trainer.grad_accum=2", "trainer.compile=false", f"trainer.resume={middle}"])
             if resumed is None:
                 c.failed.append(f"{source}_on_gpu1 did not finish")
                 continue
