@@ -379,7 +379,8 @@ def _sparsify_kwargs(cfg: DictConfig) -> dict:
 
 def _check_cuda_graph(cfg: DictConfig) -> None:
     """``trainer.cuda_graph``: true, false or auto; true only where a whole-step graph can work (the loop's
-    ``sparsetrain.training.step.graph_mode`` decides auto the same way) and with a capturable optimizer."""
+    ``sparsetrain.training.step.graph_mode`` decides auto the same way) and with a capturable optimizer. Several
+    processes (``accelerate launch`` sets ``WORLD_SIZE``) can, unless FSDP shards the model."""
     import os
 
     import torch
@@ -398,7 +399,8 @@ def _check_cuda_graph(cfg: DictConfig) -> None:
     try:
         graph_mode(setting, on_cuda, processes, str(t.mixed_precision),
                    t.get("compile_mode") if t.get("compile") else None,
-                   optimizer_capturable="capturable" in inspect.signature(cls).parameters)
+                   optimizer_capturable="capturable" in inspect.signature(cls).parameters,
+                   sharded=os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
     except ValueError as e:
         raise ConfigError("trainer.cuda_graph", str(e).split(": ", 1)[1]) from None
 

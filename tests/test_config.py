@@ -108,8 +108,15 @@ def test_cuda_graph_true_where_it_cannot_work_is_refused_naming_the_key(monkeypa
         with pytest.raises(ConfigError) as e:
             validate(compose(["recipe=quickstart", "trainer.cuda_graph=true", "trainer.device=auto", *overrides]))
         assert e.value.key == "trainer.cuda_graph" and why in str(e.value), str(e.value)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="2 processes"):
+    monkeypatch.setenv("WORLD_SIZE", "2")     # several processes: each replays its own graph (DDP-style)
+    validate(compose(["recipe=quickstart", "trainer.cuda_graph=true", "trainer.device=auto"]))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["recipe=quickstart", "trainer.cuda_graph=true", "trainer.device=auto"]))
+    assert e.value.key == "trainer.cuda_graph" and "FSDP" in str(e.value), str(e.value)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)    # several CPU processes (gloo): refused
+    with pytest.raises(ConfigError, match="not on a CUDA device"):
         validate(compose(["recipe=quickstart", "trainer.cuda_graph=true"]))
 
 

@@ -4,6 +4,9 @@
         grad_accum micro-batches: forward, backward (no gradient sync until the last)
         clip, optimizer.step(), lr.step()
         record = scheduler.step(step)          # the only sparsity call on the hot path
+
+Several processes: DDP averages the gradients during the last backward, except in a CUDA-graph run, whose step
+averages them itself (grad_sync.py) so that the whole step, the all-reduce included, is one graph.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from sparsetrain import flops as flop_count
 from sparsetrain.kernels import set_kernel_options
 from sparsetrain.training import checkpoint as ckpt
 from sparsetrain.training.batches import Batches, Prefetcher
+from sparsetrain.training.grad_sync import GradSync, broadcast_from_rank0
 from sparsetrain.training.guard import Guard, Interrupted, NonFiniteLoss, RunStopped, mask_update_due
 from sparsetrain.training.metrics import (
     METRICS_FILE,
@@ -53,6 +57,10 @@ from sparsetrain.training.step import (
 from sparsetrain.training.tracking import end_tracking, init_tracking, log_tracking
 
 __all__ = ["Batches", "RunDirError", "RunStopped", "mask_signature", "train"]
+
+# Tests only: several processes sync gradients in the step (as CUDA-graph runs do) in an eager run, which is
+# how the gloo CPU tests check that path against DDP.
+_STEP_SYNC_WITHOUT_GRAPH = False
 
 
 def _items_in(batch: dict[str, torch.Tensor]) -> tuple[int, str]:
@@ -100,7 +108,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     import logging
 
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
 
     logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
     args: TrainArgs = spec.train_args
@@ -141,7 +149,20 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
             tokenizer.save_pretrained(str(run_dir / "tokenizer"))  # export reads it: the data cache may be gone
     optimizer = spec.build_optimizer(model)
     lr_sched = lr_scheduler(optimizer, args)
-    model, optimizer = accelerator.prepare(model, optimizer)
+    use_graph = graph_mode(args.cuda_graph, accelerator.device.type == "cuda", accelerator.num_processes,
+                           args.mixed_precision, args.compile_mode if args.compile else None,
+                           optimizer_capturable="capturable" in optimizer.param_groups[0],
+                           sharded=accelerator.distributed_type == DistributedType.FSDP,
+                           running_stats=any(getattr(m, "track_running_stats", False) for m in model.modules()))
+    step_sync = accelerator.num_processes > 1 and (use_graph or _STEP_SYNC_WITHOUT_GRAPH)
+    if step_sync:
+        # DDP's reducer cannot be captured: the model is placed and given autocast as prepare() does, without
+        # the DDP wrapper (accelerate calls that evaluation_mode), and starts from rank 0's weights as under DDP
+        model = accelerator.prepare_model(model, evaluation_mode=True)
+        optimizer = accelerator.prepare_optimizer(optimizer)
+        broadcast_from_rank0(model)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
     raw_opt = getattr(optimizer, "optimizer", optimizer)
     scheduler.attach(inner, raw_opt, total_steps=args.max_steps)
@@ -205,11 +226,8 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         print("trainer.compile: the first compiled step builds the model's kernels (BERT-base on an H100: about "
               "a minute); trainer.compile=false skips it", flush=True)
     first_step = step
-    use_graph = graph_mode(args.cuda_graph, accelerator.device.type == "cuda", accelerator.num_processes,
-                           args.mixed_precision, args.compile_mode if args.compile else None,
-                           optimizer_capturable="capturable" in raw_opt.param_groups[0])
     guard = Guard(accelerator.device, accelerator.num_processes, start_step=step)
-    run_step = _step_runner(model, compiled, optimizer, raw_opt, accelerator, args, guard, use_graph,
+    run_step = _step_runner(model, compiled, optimizer, raw_opt, accelerator, args, guard, use_graph, step_sync,
                             lambda: step > first_step)
 
     def evaluate() -> dict[str, float]:
@@ -365,6 +383,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         logger.close()
         if args.wandb:
             end_tracking(accelerator)
+        run_step.invalidate()            # before the process group goes: NCCL waits for graphs holding its ops
         accelerator.wait_for_everyone()
         accelerator.end_training()
         raise
@@ -396,6 +415,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         print(f"run directory: {run_dir}", flush=True)
     if args.wandb:
         end_tracking(accelerator)
+    run_step.invalidate()            # before the process group goes: NCCL waits for graphs holding its ops
     accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
     accelerator.end_training()
     return summary
@@ -411,15 +431,16 @@ _ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBac
 
 
 def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainArgs, guard: Guard, use_graph: bool,
-                 compiled_now) -> TrainStep:
-    """The run's :class:`TrainStep`. Eager: Accelerate's backward, no-sync, clip and autocast (any number of
-    processes). Graph: plain torch calls that capture (one process), the optimizer made capturable, autocast
-    without its cast cache."""
+                 step_sync: bool, compiled_now) -> TrainStep:
+    """The run's :class:`TrainStep`. DDP or one process without graphs: Accelerate's backward, no-sync, clip and
+    autocast. Graph (or ``step_sync``): plain torch calls that capture, autocast without its cast cache, the
+    optimizer made capturable (graph runs) and, with several processes, the step's own gradient all-reduce after
+    the last micro-batch (``step_sync``: the model is not wrapped in DDP)."""
     def forward(batch):
         fwd = compiled if compiled is not None and compiled_now() else model
         return fwd(**batch)
 
-    if not use_graph:
+    if not (use_graph or step_sync):
         make_eager_safe(raw_opt)
 
         def clip():
@@ -430,27 +451,33 @@ def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainAr
         return TrainStep(forward, accelerator.backward, optimizer, clip=clip, observe=guard.observe,
                          autocast=accelerator.autocast, no_sync=lambda: accelerator.no_sync(model),
                          plain_forward=lambda batch: model(**batch))
-    make_graph_safe(raw_opt, accelerator.device)
-    params = [p for g in raw_opt.param_groups for p in g["params"]]
+    if use_graph:
+        make_graph_safe(raw_opt, accelerator.device)
+    else:
+        make_eager_safe(raw_opt)
+    params = [p for p in model.parameters() if p.requires_grad]   # the order of accelerate's clip: the same norm
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+    sync = None
+    if step_sync:
+        sync = GradSync(lambda: [p for p in model.parameters() if p.requires_grad], accelerator.num_processes)
 
     def clip():
         if not args.clip_grad_norm:
             return None
-        return torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm, foreach=True)
+        return torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm, foreach=use_graph or None)
 
     def autocast():
         # Attention: the fused kernels named first, the fp32 math path last. (The graph steps' fall to the math
         # path that was measured came from an all-True mask transformers builds under capture; the model no
         # longer passes one, models/mlm.py. This order was in place for every graph-mode number since.)
         stack = ExitStack()
-        stack.enter_context(torch.autocast("cuda", dtype=dtype or torch.float32, enabled=dtype is not None,
-                                           cache_enabled=False))
+        stack.enter_context(torch.autocast(accelerator.device.type, dtype=dtype or torch.float32,
+                                           enabled=dtype is not None, cache_enabled=False))
         stack.enter_context(sdpa_kernel(_ATTENTION, set_priority=True))
         return stack
 
     # a compiled forward compiles on its first call, which must not be a capture: the process's first step
     # runs the plain model (it tunes the kernels), the second the compiled one, the third is captured
     return TrainStep(forward, lambda loss: loss.backward(), raw_opt, clip=clip, observe=guard.observe,
-                     autocast=autocast, graph=True, warmup=2 if compiled is not None else 1,
+                     autocast=autocast, sync=sync, graph=use_graph, warmup=2 if compiled is not None else 1,
                      plain_forward=lambda batch: model(**batch))

@@ -6,7 +6,10 @@ guard's non-finite check, all on the device with no host sync. :class:`TrainStep
 - **eager**: the Python of every op runs every step (any device, any number of processes);
 - **graph** (``trainer.cuda_graph``): the whole step, the sparse kernels included, is captured once into a CUDA
   graph and then replayed, one launch per step, with the batch copied into static input buffers. The host is
-  then free while the GPU works.
+  then free while the GPU works. With several processes the step averages the gradients itself after the last
+  micro-batch (``sync``, :mod:`sparsetrain.training.grad_sync`: DDP's reducer cannot be captured), so the graph
+  holds the NCCL all-reduce too. Every rank then takes the same path at every step (replay, eager or capture):
+  it depends only on the step count, the mask updates and the batch shapes, the same on every rank.
 
 What stays outside the graph: the learning-rate update (the optimizer's ``lr`` is a device tensor, refilled
 in place), the sparsity scheduler's hook, logging. A step the graph cannot replay runs eagerly with the very
@@ -37,17 +40,30 @@ class GraphCaptureError(RuntimeError):
 
 
 def graph_mode(setting: bool | str, on_cuda: bool, processes: int, mixed_precision: str,
-               compile_mode: str | None, optimizer_capturable: bool = True) -> bool:
+               compile_mode: str | None, optimizer_capturable: bool = True, sharded: bool = False,
+               running_stats: bool = False) -> bool:
     """Whether the run replays its steps from a CUDA graph (``trainer.cuda_graph``: true, false or auto). ``auto``
-    means yes on one CUDA device with bf16 or fp32 unless ``torch.compile`` makes graphs of its own; ``true``
-    where that cannot work is an error naming the key (config validation catches it before any work)."""
+    means yes on CUDA with bf16 or fp32 unless ``torch.compile`` makes graphs of its own, on one process or on
+    several that each hold the whole model (each replays its own graph, the gradient all-reduce inside it);
+    ``sharded`` (FSDP) and ``running_stats`` (BatchNorm statistics, which DDP broadcasts before every forward)
+    keep a run of several processes eager. ``true`` where it cannot work is an error naming the key (config
+    validation catches it before any work).
+
+    >>> graph_mode("auto", on_cuda=True, processes=2, mixed_precision="bf16", compile_mode=None)
+    True
+    """
     own_graphs = compile_mode in ("reduce-overhead", "max-autotune")
+    several = processes > 1
     blockers = [why for bad, why in ((not on_cuda, "the run is not on a CUDA device"),
-                                     (processes > 1, f"the run has {processes} processes"),
                                      (mixed_precision == "fp16", "fp16 loss scaling syncs with the host"),
                                      (own_graphs, f"trainer.compile_mode={compile_mode} captures graphs itself"),
                                      (not optimizer_capturable, "the optimizer has no 'capturable' option (use "
-                                                                "torch.optim.AdamW or Adam)"))
+                                                                "torch.optim.AdamW or Adam)"),
+                                     (several and sharded, f"the run shards the model over {processes} processes "
+                                                           f"(FSDP); graphs need each process to hold the whole "
+                                                           f"model, as under DDP"),
+                                     (several and running_stats, "the model has BatchNorm running statistics, "
+                                                                 "which DDP keeps equal across processes"))
                 if bad]
     if setting == "auto":
         return not blockers
@@ -98,20 +114,24 @@ class TrainStep:
     """``step(micro_batches) -> loss`` (a device scalar: the mean micro-batch loss) for one optimizer step.
 
     ``forward(batch)`` returns the model output (``.loss``); ``backward(loss)``; ``clip()`` returns the gradient
-    norm (or None); ``no_sync()`` is the context for micro-batches before the last (gradient sync off);
-    ``autocast()`` the mixed-precision context; ``observe(loss, grad_norm)`` folds the non-finite check into
-    device flags. With ``graph=True`` (CUDA, one process) steps are replayed from a CUDA graph when they can be.
+    norm (or None); ``no_sync()`` is the context for micro-batches before the last (DDP's gradient sync off);
+    ``sync()``, when given, averages the gradients across processes after the last micro-batch's backward (the
+    step's own sync, instead of DDP's); ``autocast()`` the mixed-precision context; ``observe(loss, grad_norm)``
+    folds the non-finite check into device flags. With ``graph=True`` (CUDA) steps are replayed from a CUDA graph
+    when they can be.
     """
 
     def __init__(self, forward: Callable[[Batch], object], backward: Callable[[Tensor], None],
                  optimizer: torch.optim.Optimizer, *, clip: Callable[[], Tensor | None],
                  observe: Callable[[Tensor, Tensor | None], None],
                  autocast: Callable[[], AbstractContextManager],
-                 no_sync: Callable[[], AbstractContextManager] = nullcontext, graph: bool = False,
+                 no_sync: Callable[[], AbstractContextManager] = nullcontext,
+                 sync: Callable[[], None] | None = None, graph: bool = False,
                  warmup: int = 1, plain_forward: Callable[[Batch], object] | None = None) -> None:
         self.forward, self.backward, self.optimizer = forward, backward, optimizer
         self.plain_forward = plain_forward or forward   # the uncompiled model, for steps with Python hooks
         self.clip, self.observe, self.autocast, self.no_sync = clip, observe, autocast, no_sync
+        self.sync = sync
         self.graph_mode = bool(graph)
         self.warmup = max(1, int(warmup))
         self.captures = 0      # graphs captured in this process
@@ -134,6 +154,8 @@ class TrainStep:
             self.backward(loss)
             part = loss.detach().float()
             total = part if total is None else total + part
+        if self.sync is not None:
+            self.sync()
         grad_norm = self.clip()
         self.optimizer.step()
         self.observe(total, grad_norm)
@@ -149,7 +171,8 @@ class TrainStep:
 
     # -- public ---------------------------------------------------------------------------------------
     def invalidate(self) -> None:
-        """Drop the graph (the model's tensors it reads were replaced, e.g. by a mask update)."""
+        """Drop the graph (the model's tensors it reads were replaced, e.g. by a mask update; or the run ends:
+        NCCL cannot destroy a communicator while a graph that captured its collectives is alive)."""
         self._graph = None
         self._static_loss = None
         self._since_invalidate = 0

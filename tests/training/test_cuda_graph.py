@@ -17,14 +17,21 @@ from tests.training.test_loop import _spec
 def test_graph_mode_auto_and_true():
     assert graph_mode("auto", True, 1, "bf16", None)
     assert not graph_mode("auto", False, 1, "bf16", None)                  # CPU: eager
-    assert not graph_mode("auto", True, 2, "bf16", None)                   # several processes: eager
+    assert graph_mode("auto", True, 2, "bf16", None)                       # several processes: one graph each
+    assert not graph_mode("auto", True, 2, "bf16", None, sharded=True)     # FSDP: eager
+    assert not graph_mode("auto", True, 2, "bf16", None, running_stats=True)
+    assert graph_mode("auto", True, 1, "bf16", None, running_stats=True)   # one process: nothing to keep equal
     assert not graph_mode("auto", True, 1, "fp16", None)                   # loss scaling syncs
     assert not graph_mode("auto", True, 1, "bf16", "reduce-overhead")      # compile's own graphs
     assert not graph_mode("auto", True, 1, "no", None, optimizer_capturable=False)
     assert graph_mode("auto", True, 1, "no", "default")
     assert not graph_mode(False, True, 1, "bf16", None)
-    with pytest.raises(ValueError, match="trainer.cuda_graph: is true but the run has 2 processes"):
-        graph_mode(True, True, 2, "bf16", None)
+    assert graph_mode(True, True, 2, "bf16", None)
+    with pytest.raises(ValueError, match="trainer.cuda_graph: is true but the run shards the model over 2 "
+                                         "processes"):
+        graph_mode(True, True, 2, "bf16", None, sharded=True)
+    with pytest.raises(ValueError, match="trainer.cuda_graph: is true but the run is not on a CUDA device"):
+        graph_mode(True, False, 2, "no", None)                             # several CPU processes (gloo)
 
 
 def test_eager_step_runs_the_body_once_and_clears_gradients():
