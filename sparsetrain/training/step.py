@@ -43,13 +43,16 @@ def graph_mode(setting: bool | str, on_cuda: bool, processes: int, mixed_precisi
                compile_mode: str | None, optimizer_capturable: bool = True, sharded: bool = False,
                running_stats: bool = False) -> bool:
     """Whether the run replays its steps from a CUDA graph (``trainer.cuda_graph``: true, false or auto). ``auto``
-    means yes on CUDA with bf16 or fp32 unless ``torch.compile`` makes graphs of its own, on one process or on
-    several that each hold the whole model (each replays its own graph, the gradient all-reduce inside it);
-    ``sharded`` (FSDP) and ``running_stats`` (BatchNorm statistics, which DDP broadcasts before every forward)
-    keep a run of several processes eager. ``true`` where it cannot work is an error naming the key (config
-    validation catches it before any work).
+    means yes on one CUDA process with bf16 or fp32 unless ``torch.compile`` makes graphs of its own. Several
+    processes that each hold the whole model (DDP-style: each replays its own graph, the gradient all-reduce
+    inside it) take graphs with ``true`` only, for now: that path has been checked against DDP on CPU processes
+    but not yet run over NCCL on GPUs, so ``auto`` keeps such runs on DDP's eager steps. ``sharded`` (FSDP) and
+    ``running_stats`` (BatchNorm statistics, which DDP broadcasts before every forward) rule it out. ``true``
+    where it cannot work is an error naming the key (config validation catches it before any work).
 
     >>> graph_mode("auto", on_cuda=True, processes=2, mixed_precision="bf16", compile_mode=None)
+    False
+    >>> graph_mode(True, on_cuda=True, processes=2, mixed_precision="bf16", compile_mode=None)
     True
     """
     own_graphs = compile_mode in ("reduce-overhead", "max-autotune")
@@ -66,7 +69,7 @@ def graph_mode(setting: bool | str, on_cuda: bool, processes: int, mixed_precisi
                                                                  "which DDP keeps equal across processes"))
                 if bad]
     if setting == "auto":
-        return not blockers
+        return not blockers and not several   # several processes: opt-in (true) until measured on GPUs
     if setting and blockers:
         raise ValueError(f"trainer.cuda_graph: is true but {blockers[0]}; use trainer.cuda_graph=auto or false")
     return bool(setting)
