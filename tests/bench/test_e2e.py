@@ -244,7 +244,8 @@ def test_gpu_graph_mode_and_breakdown(tmp_path, capsys):
     rc = e2e.main(["--recipe-map", "dense=quickstart:sparsity=dense",
                    "--recipe-map", "static_b16=quickstart:sparsity=static sparsity.block=16 sparsity.format=block",
                    "--variants", "dense,static_b16", "--steps", "12", "--log-every", "4", "--batch", "16",
-                   "--seq", "64", "--profile-at", "3", "--out", str(tmp_path / "runs"), "--json", str(js)])
+                   "--seq", "64", "--profile-at", "3", "--modes", "eager,graph",   # compiled: tests/training
+                   "--out", str(tmp_path / "runs"), "--json", str(js)])
     assert rc == 0, capsys.readouterr().out
     saved = json.loads(js.read_text())
     graph = [r for r in saved["table"] if r["mode"] == "graph"]
