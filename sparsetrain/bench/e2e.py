@@ -36,13 +36,12 @@ from sparsetrain.bench._e2e_breakdown import format_breakdown, profile_child
 HYDRA_HINT = "HYDRA_FULL_ERROR"
 RESULTS_FILE = "e2e_results.json"
 
-
-
 #: The overrides of each mode: eager steps; the whole step replayed from a CUDA graph; the same with the model
 #: compiled (torch.compile's default mode, its fused elementwise kernels captured in the graph).
 MODES = {"eager": ["trainer.cuda_graph=false", "trainer.compile=false"],
          "graph": ["trainer.cuda_graph=true", "trainer.compile=false"],
          "compiled": ["trainer.cuda_graph=true", "trainer.compile=true"]}
+
 
 @dataclass(frozen=True)
 class Variant:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 #: Bucket size of the all-reduce: a sparse BERT-base's gradients fit in one, a dense one in two.
@@ -60,8 +61,6 @@ class GradSync:
                 p.grad = torch.zeros_like(p)    # this rank's share of the average
             if anywhere:
                 grads.append(p.grad)
-        import torch.distributed as dist
-
         for bucket in _buckets(grads, self.bucket_bytes):
             flat = torch.cat([g.reshape(-1) for g in bucket]).mul_(1.0 / self.processes)
             dist.all_reduce(flat)
@@ -72,8 +71,6 @@ class GradSync:
         """Which parameters have a gradient on some rank (one all-reduce of a flag per parameter, one host read)."""
         if not mine:
             return ()
-        import torch.distributed as dist
-
         from sparsetrain.training.ranks import collective_device
 
         counts = torch.tensor(mine, dtype=torch.int32, device=collective_device())
@@ -104,7 +101,6 @@ def _buckets(grads: list[Tensor], limit: int) -> list[list[Tensor]]:
 def broadcast_from_rank0(model: nn.Module) -> None:
     """Copy rank 0's parameters and buffers into every rank's ``model`` (a collective), as DistributedDataParallel
     does when it wraps a model; the same call DDP makes, so the same tensors in the same buckets."""
-    import torch.distributed as dist
     from torch.distributed.utils import _sync_module_states
 
     _sync_module_states(model, dist.group.WORLD, broadcast_bucket_size=250 * 2**20, src=0,

@@ -457,9 +457,7 @@ def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainAr
         make_eager_safe(raw_opt)
     params = [p for p in model.parameters() if p.requires_grad]   # the order of accelerate's clip: the same norm
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
-    sync = None
-    if step_sync:
-        sync = GradSync(lambda: [p for p in model.parameters() if p.requires_grad], accelerator.num_processes)
+    sync = GradSync(lambda: params, accelerator.num_processes) if step_sync else None
 
     def clip():
         if not args.clip_grad_norm:
