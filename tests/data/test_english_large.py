@@ -9,7 +9,6 @@ import os
 import re
 import sys
 import tarfile
-import threading
 
 import pytest
 
@@ -294,21 +293,9 @@ def test_assembly_writes_split_manifest_and_licences(fake_parts):
     assert {n.split("/")[0] for n, _ in only_books} == {"books"}
 
 
-def test_concurrent_builds_agree(fake_parts):
+def test_concurrent_builds_agree(fake_parts, in_threads):
     cache, _ = fake_parts
-    results, errors = [], []
-
-    def build():
-        try:
-            results.append(english_large_documents(val_fraction=0.1, cache_dir=cache))
-        except Exception as err:  # noqa: BLE001 - surfaced by the assert below
-            errors.append(err)
-
-    threads = [threading.Thread(target=build) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results, errors = in_threads(lambda: english_large_documents(val_fraction=0.1, cache_dir=cache), 4)
     assert not errors and all(r == results[0] for r in results)
     assert len([p for p in cache.iterdir() if p.name.startswith("english_large-v1-")]) == 1
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]
