@@ -72,6 +72,7 @@ def _sync_worker(rank: int, port: int) -> None:
         with pytest.raises(RuntimeError, match="differ from those of the eager step before the capture"):
             sync()
     finally:
+        dist.barrier()   # both ranks reach teardown together (a gloo peer that exits first can abort the other)
         dist.destroy_process_group()
 
 
