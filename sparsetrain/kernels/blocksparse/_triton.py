@@ -333,3 +333,62 @@ def sampled_grad_tma_kernel(
         _store_dw(dv_ptr, s0 + 1, acc1, cnt > 1, BLOCK, SPLIT)
     if HAS_DBIAS:
         _add_dbias(db_ptr, gfirst_ptr, grp, r, dbacc, BLOCK)
+
+
+@triton.jit
+def dense_x_blocksparse_span_kernel(
+    a_ptr,      # [T, K] dense left operand (X in the forward, dY for dX), strides (stride_at, stride_ak)
+    v_ptr,      # [n_blocks, BLOCK, BLOCK] block values of W (contiguous); A's dtype or float32 (cast on load)
+    gptr_ptr,   # [n_groups + 1] int32: entries of output group g are gptr[g] .. gptr[g + 1] - 1
+    kidx_ptr,   # [n_entries] int32: the BLOCK-wide column block of A an entry multiplies (0 for padding)
+    slots_ptr,  # [n_entries, SPAN] int32: per output block of the group, the slot of its block there (-1: none)
+    bias_ptr,   # [N] bias, read only when HAS_BIAS
+    out_ptr,    # [T, N] dense output, contiguous; every element is written
+    T, stride_at, stride_ak, N, n_groups,
+    FORWARD: tl.constexpr,   # True: B = Wᵀ (output blocks are block rows of W); False: B = W (block columns)
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,     # block edge B (16, 32, 64)
+    SPAN: tl.constexpr,      # output blocks per program: the tile is [BLOCK_T, SPAN * BLOCK]
+    GROUP_K: tl.constexpr,   # entries per tl.dot (K = GROUP_K * BLOCK); a group's entries are padded to it
+    BLOCK_T: tl.constexpr,   # tokens per program
+):
+    """``out = A · B`` with output tiles SPAN blocks wide: a program walks the union of the input blocks that
+    any of its SPAN output blocks uses, reads each A column block once for all of them, and multiplies it by
+    the ``[BLOCK, SPAN * BLOCK]`` strip of B there (inactive blocks read as zeros). Against one output block per
+    program this reads A fewer times and gives the MMA an N of SPAN * BLOCK instead of BLOCK, for multiplying
+    the zero blocks of the strip too."""
+    pid = tl.program_id(0)
+    pid_t = pid // n_groups   # the group is the fast index: programs running together share A's token tile
+    g = pid % n_groups
+    e_begin = tl.load(gptr_ptr + g)
+    e_end = tl.load(gptr_ptr + g + 1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    offs_b = tl.arange(0, BLOCK)
+    offs_s = tl.arange(0, SPAN)
+    offs_g = tl.arange(0, GROUP_K)
+    a_rows = a_ptr + offs_t.to(tl.int64)[:, None] * stride_at
+    if FORWARD:  # [g, k, s, n] -> W_slot(g, s)[n, k]
+        v_off = offs_b[None, :, None, None] + offs_b[None, None, None, :] * BLOCK
+    else:        # [g, k, s, n] -> W_slot(g, s)[k, n]
+        v_off = offs_b[None, :, None, None] * BLOCK + offs_b[None, None, None, :]
+    acc = tl.zeros((BLOCK_T, SPAN * BLOCK), dtype=tl.float32)
+    for e0 in range(e_begin, e_end, GROUP_K):
+        ent = e0 + offs_g
+        kb = tl.load(kidx_ptr + ent)
+        slot = tl.load(slots_ptr + ent[:, None] * SPAN + offs_s[None, :])   # [GROUP_K, SPAN]
+        ok = slot >= 0
+        used = tl.max(slot, axis=1) >= 0                                   # padding entries: no A read
+        a = tl.load(a_rows[:, :, None] + ((kb * BLOCK)[None, :, None] + offs_b[None, None, :]) * stride_ak,
+                    mask=t_ok[:, None, None] & used[None, :, None], other=0.0)
+        a = tl.reshape(a, (BLOCK_T, GROUP_K * BLOCK))
+        vb = v_ptr + tl.maximum(slot, 0) * (BLOCK * BLOCK)
+        v = tl.load(vb[:, None, :, None] + v_off, mask=ok[:, None, :, None], other=0.0)
+        v = tl.reshape(v.to(a_ptr.dtype.element_ty), (GROUP_K * BLOCK, SPAN * BLOCK))
+        acc = tl.dot(a, v, acc)
+    offs_n = g * (SPAN * BLOCK) + tl.arange(0, SPAN * BLOCK)
+    n_ok = offs_n < N   # the last group may reach past the output's width
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & n_ok[None, :])

@@ -57,6 +57,40 @@ def test_padded_entries(forward, group_k):
             assert (int(meta.row_idx[s]), int(meta.col_idx[s])) == (r, c)
 
 
+@pytest.mark.parametrize("forward", [True, False])
+@pytest.mark.parametrize("span,group_k", [(1, 1), (2, 4), (4, 2), (8, 1)])
+def test_span_entries(forward, span, group_k):
+    """Per group of ``span`` output blocks: the union of their input blocks (ascending, padded to group_k) and,
+    per entry, each output block's slot there; the last group may be partial, an all-empty group has none."""
+    gen = torch.Generator().manual_seed(4)
+    mask = make_mask("empty_rows_cols", (7, 9), gen) & (torch.rand(7, 9, generator=gen) < 0.5)
+    mask[:, 2] = False   # block column 2 empty (forward: no entry at input block 2; dx: an empty output block)
+    mask[4:6] = False    # block rows 4 and 5 empty (forward, span 1 or 2: groups with no entries)
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    gptr, kidx, slots, n_groups = meta.span_entries(forward, span, group_k)
+    grid = mask if forward else mask.t()
+    n_out = grid.shape[0]
+    assert n_groups == -(-n_out // span) and gptr.numel() == n_groups + 1 and slots.shape == (kidx.numel(), span)
+    assert all(t.dtype == torch.int32 for t in (gptr, kidx, slots))
+    for g in range(n_groups):
+        lo, hi = int(gptr[g]), int(gptr[g + 1])
+        outs = range(g * span, min((g + 1) * span, n_out))
+        union = sorted({k for j in outs for k in grid[j].nonzero().flatten().tolist()})
+        assert (hi - lo) % group_k == 0 and hi - lo == -(-len(union) // group_k) * group_k
+        real = [e for e in range(lo, hi) if bool((slots[e] >= 0).any())]
+        assert [int(kidx[e]) for e in real] == union and len(real) == len(union)
+        for e in range(lo, hi):
+            for s in range(span):
+                j, k, slot = g * span + s, int(kidx[e]), int(slots[e, s])
+                active = e in real and j < n_out and bool(grid[j, k])
+                assert (slot >= 0) == active, (g, e, s)
+                if active:   # the slot holds block (j, k) of W (forward) or (k, j) (transpose)
+                    r, c = (j, k) if forward else (k, j)
+                    assert (int(meta.row_idx[slot]), int(meta.col_idx[slot])) == (r, c)
+    if forward and span <= 2:   # rows 4 and 5 are empty: their group(s) have no entries
+        assert int(gptr[5 // span + 1]) == int(gptr[4 // span])
+
+
 def test_meta_rejects_bad_mask():
     with pytest.raises(TypeError, match="mask"):
         BlockSparseMeta.from_mask(torch.ones(2, 2), 16)
