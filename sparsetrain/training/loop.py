@@ -327,7 +327,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
                 record = scheduler.step(step)                       # the sparsity hook
                 dt_hook = time.perf_counter() - th
                 if record is not None:
-                    run_step.invalidate()                           # the graph read the old index tensors
+                    run_step.topology_changed()                     # kept only if written in place
                     train_flops += flop_count.step_flops(report, is_update_step=True, dense_grad=needs_grad)
                     report = flop_report()                          # density may have changed
                 else:
@@ -476,6 +476,10 @@ def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainAr
 
     # a compiled forward compiles on its first call, which must not be a capture: the process's first step
     # runs the plain model (it tunes the kernels), the second the compiled one, the third is captured
+    def reads():   # what the captured step reads besides the batch (a mask update may rewrite it in place)
+        return [*model.parameters(), *model.buffers(),
+                *(v for state in raw_opt.state.values() for v in state.values() if torch.is_tensor(v))]
+
     return TrainStep(forward, lambda loss: loss.backward(), raw_opt, clip=clip, observe=guard.observe,
                      autocast=autocast, sync=sync, graph=use_graph, warmup=2 if compiled is not None else 1,
-                     plain_forward=lambda batch: model(**batch))
+                     plain_forward=lambda batch: model(**batch), reads=reads)

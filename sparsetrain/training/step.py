@@ -14,10 +14,13 @@ guard's non-finite check, all on the device with no host sync. :class:`TrainStep
 What stays outside the graph: the learning-rate update (the optimizer's ``lr`` is a device tensor, refilled
 in place), the sparsity scheduler's hook, logging. A step the graph cannot replay runs eagerly with the very
 same body: the step before a RigL update (its layers hand their dense gradient to Python hooks), and a batch
-whose shapes differ from the captured ones. A mask update rewrites the sparse layers' index tensors, so
-:meth:`TrainStep.invalidate` drops the graph; the next step runs eagerly (it builds the new topology's launch
-plans, which read index counts on the host) and the one after is captured again. Each re-capture costs about
-two eager steps; ``captures`` and ``eager_steps`` count them for the run summary.
+whose shapes differ from the captured ones. After a mask update, :meth:`TrainStep.topology_changed` keeps the
+graph when the update rewrote everything the step reads in place (``reads``: the parameters, buffers and
+optimizer state are the same tensors at the same addresses, as after an update of the masked format), so the
+next replay reads the new topology. An update that installed new tensors (the block format's index tensors,
+from which launch plans are built on the host) drops the graph: the next step runs eagerly (it builds the new
+topology's plans) and the one after is captured again. Each re-capture costs about two eager steps;
+``captures``, ``eager_steps`` and ``graphs_kept`` count them for the run summary.
 
 Capture rules this module keeps: the optimizer is capturable with its ``lr`` on the device, autocast does not
 cache casts, gradients are ``None`` when capture starts (the graph allocates and then overwrites them), the
@@ -26,7 +29,7 @@ raises :class:`GraphCaptureError`; the loop then goes on eagerly under ``trainer
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -130,7 +133,8 @@ class TrainStep:
                  autocast: Callable[[], AbstractContextManager],
                  no_sync: Callable[[], AbstractContextManager] = nullcontext,
                  sync: Callable[[], None] | None = None, graph: bool = False,
-                 warmup: int = 1, plain_forward: Callable[[Batch], object] | None = None) -> None:
+                 warmup: int = 1, plain_forward: Callable[[Batch], object] | None = None,
+                 reads: Callable[[], Iterable[Tensor]] | None = None) -> None:
         self.forward, self.backward, self.optimizer = forward, backward, optimizer
         self.plain_forward = plain_forward or forward   # the uncompiled model, for steps with Python hooks
         self.clip, self.observe, self.autocast, self.no_sync = clip, observe, autocast, no_sync
@@ -141,6 +145,9 @@ class TrainStep:
         self.replays = 0       # steps replayed from a graph
         self.eager_steps = 0   # steps run eagerly
         self.capture_s = 0.0   # host seconds spent capturing
+        self.graphs_kept = 0   # mask updates after which the graph was kept (rewritten in place)
+        self.reads = reads     # every tensor the step reads besides the batch (None: no update keeps a graph)
+        self._read_at_capture: list[tuple[Tensor, int]] | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._static: list[Batch] | None = None
         self._static_loss: Tensor | None = None
@@ -179,6 +186,23 @@ class TrainStep:
         self._graph = None
         self._static_loss = None
         self._since_invalidate = 0
+        self._read_at_capture = None
+
+    def _remember_reads(self) -> None:
+        self._read_at_capture = None if self.reads is None else [(t, t.data_ptr()) for t in self.reads()]
+
+    def topology_changed(self) -> None:
+        """After a mask update: keep the graph if every tensor in ``reads()`` is the very tensor the graph was
+        captured with, at the same address (the update wrote in place, so a replay reads the new topology);
+        otherwise :meth:`invalidate`. The tensors are held from the capture on, so an identity cannot be a
+        freed tensor's reused id."""
+        kept = self._read_at_capture
+        if self._graph is not None and kept is not None:
+            now = list(self.reads())
+            if len(now) == len(kept) and all(t is k and t.data_ptr() == ptr for t, (k, ptr) in zip(now, kept)):
+                self.graphs_kept += 1
+                return
+        self.invalidate()
 
     def __call__(self, batches: list[Batch], *, eager: bool = False, plain: bool = False) -> Tensor:
         """Run one optimizer step on ``batches`` (already on the device). ``eager=True`` forces the eager path
@@ -245,6 +269,7 @@ class TrainStep:
             raise GraphCaptureError(f"the training step could not be captured into a CUDA graph: "
                                     f"{type(e).__name__}: {e}".splitlines()[0]) from e
         self._graph, self._static_loss = graph, loss
+        self._remember_reads()
         self.captures += 1
         graph.replay()       # capture records the step without running it
         self.replays += 1
@@ -253,4 +278,4 @@ class TrainStep:
 
     def stats(self) -> dict[str, float | int]:
         return {"graph_captures": self.captures, "graph_replays": self.replays, "eager_steps": self.eager_steps,
-                "capture_s": round(self.capture_s, 3)}
+                "graphs_kept": self.graphs_kept, "capture_s": round(self.capture_s, 3)}

@@ -206,3 +206,21 @@ def test_set_format_keeps_function_and_drops_the_old_parameter():
     assert [n for n, _ in layer.named_parameters()] == ["bias", "values"]
     torch.testing.assert_close(layer(x), y)
     assert isinstance(layer.storage, WeightFormat) and layer.caps.keeps_count
+
+
+@pytest.mark.parametrize("fmt", ["masked", "masked_st"])
+def test_masked_set_mask_rewrites_its_element_mask_in_place(fmt):
+    """The element mask a step multiplies by is rewritten in place by a mask update (a training step replayed
+    from a CUDA graph reads it by address, so the graph can be kept), and holds the new topology."""
+    from sparsetrain.sparsity.layout import to_element_mask
+
+    layer = SparseLinear.from_dense(nn.Linear(32, 16), density=0.5, block=4, format=fmt)
+    before = layer._element_mask
+    ptr = before.data_ptr()
+    new = ~layer.mask   # same count at density 0.5
+    layer.set_mask(new)
+    assert layer._element_mask is before and before.data_ptr() == ptr
+    assert torch.equal(before, to_element_mask(new, layer.block).to(before.dtype))
+    x = torch.randn(3, 32)
+    want = F.linear(x, layer.weight * before, layer.bias)
+    torch.testing.assert_close(layer(x), want)

@@ -70,8 +70,12 @@ class MaskedFormat(WeightFormat):
         layer.register_buffer("_element_mask", em.to(w.dtype), persistent=False)
 
     def _refresh(self, layer) -> None:
-        layer._element_mask = to_element_mask(layer.mask, layer.block).to(
-            device=layer.weight.device, dtype=layer.weight.dtype)
+        em = to_element_mask(layer.mask, layer.block)
+        current = layer._buffers.get("_element_mask")
+        if current is not None and current.shape == em.shape:
+            current.copy_(em)   # in place: a training step replayed from a CUDA graph then reads the new mask
+        else:
+            layer._element_mask = em.to(device=layer.weight.device, dtype=layer.weight.dtype)
 
     def effective_weight(self, layer) -> Tensor:
         w = layer.weight
