@@ -213,6 +213,7 @@ def read_run(run_dir: Path) -> dict:
     peaks = [r["peak_mem_gb"] for r in train if "peak_mem_gb" in r]
     return {"rate_key": rate_key, "rate": summary.get(rate_key), "peak_gb": max(peaks) if peaks else None,
             "windows": windows, "updates": [r["step"] for r in rows if r.get("event") == "mask_update"],
+            "flops_per_step": summary.get("flops_per_step_sparse"),   # what runs (dense: the dense count)
             **{k: summary.get(k) for k in ("step_mode", "graph_captures", "graph_replays", "eager_steps",
                                            "capture_s", "wall_s")}}
 
@@ -236,9 +237,11 @@ def update_cost(windows: list[list], updates: list[int]) -> dict | None:
     return {"update_s": cost, "clean_step_s": step_s, "update_windows": len(hit), "clean_windows": len(clean)}
 
 
-def build_table(runs: list[dict], baseline: str = "dense") -> list[dict]:
+def build_table(runs: list[dict], baseline: str = "dense", gemm_tflops: float | None = None) -> list[dict]:
     """Rows of the table: each run with its ratios to the baseline (same mode; the baseline's fastest mode),
-    its memory ratio and, for dynamic variants, the update cost amortised over the recipe's interval."""
+    its memory ratio, its model FLOP rate (``sparsetrain.flops``' count of what the step runs, per second) and
+    that rate's share of ``gemm_tflops`` (a bf16 GEMM measured on the same GPU), and, for dynamic variants, the
+    update cost amortised over the recipe's interval."""
     base = {r["mode"]: r for r in runs if r["variant"] == baseline and r.get("rate")}
     best = max((r["rate"] for r in base.values()), default=None)
     rows = []
@@ -250,6 +253,10 @@ def build_table(runs: list[dict], baseline: str = "dense") -> list[dict]:
             row["x_dense_best"] = r["rate"] / best if best else None
         if r.get("peak_gb") and b and b.get("peak_gb"):
             row["x_dense_mem"] = r["peak_gb"] / b["peak_gb"]
+        if r.get("rate") and r.get("flops_per_step") and r.get("items_per_step"):
+            row["model_tflops"] = r["rate"] * r["flops_per_step"] / r["items_per_step"] / 1e12
+            if gemm_tflops:
+                row["of_gemm"] = row["model_tflops"] / gemm_tflops
         if r.get("dynamic") and r.get("windows") is not None:
             cost = update_cost(r["windows"], r.get("updates", []))
             row["update"] = cost
@@ -265,8 +272,8 @@ def _num(v, fmt: str, none: str = "-") -> str:
 
 def format_table(rows: list[dict]) -> str:
     unit = next((r["rate_key"].split("_")[0] for r in rows if r.get("rate_key")), "tokens")
-    head = ["variant", "mode", f"{unit}/s", "x dense", "x dense best", "peak GB", "x mem", "capt/eager",
-            "update ms", "amortised"]
+    head = ["variant", "mode", f"{unit}/s", "x dense", "x dense best", "TFLOP/s", "% GEMM", "peak GB", "x mem",
+            "capt/eager", "update ms", "amortised"]
     lines = []
     for r in rows:
         if r.get("error"):
@@ -276,7 +283,8 @@ def format_table(rows: list[dict]) -> str:
         amort = (f"{up['amortised_pct']:.2f}% /{r['recipe_interval']:.0f}" if up.get("amortised_pct") is not None
                  else ("n/a" if r.get("dynamic") else "-"))
         lines.append([r["variant"], r["mode"], _num(r.get("rate"), ",.0f"), _num(r.get("x_dense"), ".3f"),
-                      _num(r.get("x_dense_best"), ".3f"), _num(r.get("peak_gb"), ".2f"),
+                      _num(r.get("x_dense_best"), ".3f"), _num(r.get("model_tflops"), ".0f"),
+                      _num(r.get("of_gemm") and 100 * r["of_gemm"], ".0f"), _num(r.get("peak_gb"), ".2f"),
                       _num(r.get("x_dense_mem"), ".3f"), f"{r.get('graph_captures', 0)}/{r.get('eager_steps', 0)}",
                       _num(up.get("update_s") and 1e3 * up["update_s"], ".1f"), amort])
     widths = [max([len(head[i]), *(len(ln[i]) for ln in lines if len(ln) == len(head))]) for i in range(len(head))]
@@ -286,6 +294,8 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(s.rstrip() for s in out)
 
 
+FLOPS_NOTE = ("TFLOP/s: model FLOPs per second as `sparsetrain flops` counts the step (what runs: a sparse layer's "
+              "active blocks; no elementwise work); % GEMM: of the bf16 GEMM rate measured first on this GPU ({})")
 NOTE = ("update ms: one mask update's cost = (mean step time of windows with an update - that of windows without) "
         "x steps per window (window 1 left out); amortised: that cost over the recipe's own interval "
         "(max_steps / num_updates, shown after /) as a % of the update-free step time")
@@ -352,6 +362,7 @@ class Bench:
         rc, last = self._spawn(name, [sys.executable, "-m", "sparsetrain.cli", "train", *overrides,
                                       f"hydra.run.dir={run_dir}"])
         result = {"variant": variant.name, "mode": mode, "overrides": overrides, "seconds": time.time() - t,
+                  "items_per_step": self.args.batch * (self.args.seq if facts.get("text") else 1),
                   **{k: facts.get(k) for k in ("dynamic", "recipe_interval", "recipe_steps", "recipe_num_updates")}}
         try:
             if rc != 0:
@@ -415,7 +426,8 @@ class Bench:
                 continue
             self.results["runs"].append(self.train_run(variant, mode, f, f"[{i}/{len(jobs)}]"))
             self.save()
-        self.results["table"] = build_table(self.results["runs"], args.baseline)
+        self.results["table"] = build_table(self.results["runs"], args.baseline,
+                                            self.results["env"].get("bf16_gemm_tflops"))
         todo = [v for v in args.variant_list if v.name in args.breakdown and "error" not in facts.get(v.name, {})]
         if todo and modes and not _has_cuda():
             self.say("breakdown needs a CUDA GPU (torch.profiler's CUDA activity); skipped")
@@ -435,12 +447,29 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+#: The GPU's bf16 matmul rate (TFLOP/s), measured in a process of its own before the runs: the yardstick of the
+#: table's "% GEMM" column.
+GEMM_PROBE = ("import torch\nfrom triton.testing import do_bench\n"
+              "a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)\n"
+              "print(2 * 8192**3 / do_bench(lambda: a @ a, warmup=25, rep=200, return_mode='median') / 1e9)")
+
+
+def gemm_tflops() -> float | None:
+    """The bf16 GEMM rate of this GPU (8192³, median), or None where it cannot be measured."""
+    try:
+        done = subprocess.run([sys.executable, "-c", GEMM_PROBE], capture_output=True, text=True, timeout=180)
+        return float(done.stdout.split()[-1]) if done.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
 def _env() -> dict:
     import torch
 
     env = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
+        env["bf16_gemm_tflops"] = gemm_tflops()
     return env
 
 
@@ -479,6 +508,9 @@ def main(argv: list[str]) -> int:
     rows = bench.run()
     print("\n==== end-to-end training throughput ====")
     print(format_table(rows))
+    gemm = bench.results.get("env", {}).get("bf16_gemm_tflops")
+    if any(r.get("model_tflops") for r in rows):
+        print(FLOPS_NOTE.format(f"{gemm:.0f} TFLOP/s" if gemm else "not measured: no CUDA GPU"))
     if any(r.get("update") for r in rows):
         print(NOTE)
     if bench.results["breakdown"]:

@@ -73,7 +73,7 @@ def test_recipe_facts_read_the_unmodified_recipe():
 
 
 # ---- the table, on hand-written run directories ---------------------------------------------------------
-def fake_run(path, window_s, peak=None, updates=(), captures=0, eager=80, items=1000):
+def fake_run(path, window_s, peak=None, updates=(), captures=0, eager=80, items=1000, flops=None):
     """A run dir of 8 windows of 10 steps; ``window_s[i]`` seconds for window i."""
     path.mkdir(parents=True)
     rows, elapsed = [], 0.0
@@ -89,26 +89,30 @@ def fake_run(path, window_s, peak=None, updates=(), captures=0, eager=80, items=
     (path / "summary.json").write_text(json.dumps({
         "status": "finished", "tokens_per_s": rates[len(rates) // 2], "step_mode": "cuda_graph" if captures else
         "eager", "graph_captures": captures, "graph_replays": 80 - eager, "eager_steps": eager,
-        "capture_s": 0.1, "wall_s": elapsed}))
+        "capture_s": 0.1, "wall_s": elapsed, "flops_per_step_sparse": flops}))
     return path
 
 
 def test_table_ratios_and_update_cost(tmp_path):
     def run(name, mode, window_s, peak, **kw):
-        extra = {k: kw.pop(k) for k in ("dynamic", "recipe_interval") if k in kw}
+        extra = {k: kw.pop(k) for k in ("dynamic", "recipe_interval", "items_per_step") if k in kw}
         return {"variant": name, "mode": mode, **extra, **e2e.read_run(fake_run(tmp_path / f"{name}-{mode}",
                                                                                 window_s, peak, **kw))}
 
     # update windows (2, 4, 5, 7) take 0.5 s more than the 1.0 s of update-free ones; window 1 is warm-up
     dyn = [5.0, 1.5, 1.0, 1.5, 1.5, 1.0, 1.5, 1.0]
-    runs = [run("dense", "eager", [4.0] + [2.0] * 7, 10.0), run("dense", "graph", [4.0] + [1.0] * 7, 12.0, captures=1,
-                                                               eager=1),
+    runs = [run("dense", "eager", [4.0] + [2.0] * 7, 10.0),
+            run("dense", "graph", [4.0] + [1.0] * 7, 12.0, captures=1, eager=1, flops=3e12, items_per_step=500),
             run("static", "eager", [4.0] + [1.6] * 7, 5.0), run("static", "graph", [4.0] + [0.5] * 7, 6.0, captures=1,
                                                                 eager=1),
             run("dyn", "graph", dyn, 6.0, updates=[16, 32, 48, 64], captures=5, eager=9, dynamic=True,
                 recipe_interval=625.0),
             {"variant": "broken", "mode": "graph", "error": "CUDA out of memory"}]
-    rows = {(r["variant"], r["mode"]): r for r in e2e.build_table(runs)}
+    rows = {(r["variant"], r["mode"]): r for r in e2e.build_table(runs, gemm_tflops=600.0)}
+    # 10,000 tokens/s of 500-token steps of 3e12 FLOPs: 60 TFLOP/s, 10% of the GEMM rate; no count: no column
+    assert rows["dense", "graph"]["model_tflops"] == pytest.approx(60.0)
+    assert rows["dense", "graph"]["of_gemm"] == pytest.approx(0.1)
+    assert "model_tflops" not in rows["dense", "eager"] and "of_gemm" not in rows["static", "graph"]
     assert rows["dense", "graph"]["peak_gb"] == 12.0 and rows["dense", "graph"]["windows"][0] == [10, 10, 4.0]
     assert rows["static", "eager"]["x_dense"] == pytest.approx(2.0 / 1.6)        # same mode
     assert rows["static", "eager"]["x_dense_best"] == pytest.approx(1.0 / 1.6)   # dense's fastest mode (graph)
