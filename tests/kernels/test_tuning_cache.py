@@ -19,6 +19,7 @@ from sparsetrain.kernels.blocksparse import Backend, plans, register_backend, tu
 from sparsetrain.kernels.blocksparse._cuda import CudaDdsConfig, CudaDwConfig, CudaKsConfig
 from sparsetrain.kernels.blocksparse.dense import DenseConfig
 from sparsetrain.kernels.blocksparse.gather import DdsConfig, DwConfig
+from sparsetrain.kernels.blocksparse.span import SpanConfig
 from sparsetrain.kernels.blocksparse.testing import forced_config, untuned, use_timer
 from sparsetrain.kernels.blocksparse.tma import TmaDdsConfig, TmaDwConfig
 
@@ -62,7 +63,7 @@ def test_every_registered_backends_config_type_round_trips():
     comes back equal and of its own class, through the file."""
     configs = [CudaDdsConfig(8, 2, 1), CudaKsConfig(2), CudaDwConfig(16), TmaDdsConfig(64, 4, 3, True),
                TmaDwConfig(128, 8, 3, 2), DdsConfig(32, 2, 4, 8, 3, ".ca", True), DwConfig(8, 64, 4, 4),
-               DenseConfig()]
+               DenseConfig(), SpanConfig(64, 8, 2, 4, 4)]
     types = tuner._config_types()
     assert {type(c) for c in configs} == set(types)  # a new config class needs a line here
     kept = ChoiceFile(Path(tuning_cache.cache_root()) / "f.json")
