@@ -7,6 +7,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
 from sparsetrain.nn import SparseLinear
 from sparsetrain.nn.formats import BlockFormat
@@ -325,9 +326,10 @@ def _grads_vs_reference(layer, x, tol):
 
 
 def test_fast_call_is_kept_and_invalidated_when_it_must_be(monkeypatch):
-    """A call signature seen before takes the fast path (no checks, plans kept on a FastCall); a new topology
-    (set_mask), another token count or dtype, changed kernel options and a module move each take the checked path
-    once, and every result matches the reference on fresh inputs."""
+    """A call signature seen before takes the fast path (no checks, plans kept on a FastCall); another token count
+    or dtype, changed kernel options and a module move each take the checked path once; a new topology of the same
+    count (set_mask) is written into the kept metadata in place, so the kept FastCall computes it. Every result
+    matches the reference on fresh inputs."""
     from sparsetrain.kernels import use_kernel_options
     from sparsetrain.kernels.blocksparse import op, register_backend, tuner, unregister_backend
     from sparsetrain.kernels.blocksparse.testing import use_timer
@@ -357,8 +359,7 @@ def test_fast_call_is_kept_and_invalidated_when_it_must_be(monkeypatch):
     flat[flat.nonzero()[0]] = False
     flat[(~flat).nonzero()[-1]] = True
     layer.set_mask(flat.view(layer.mask.shape))
-    calls(1)
-    calls(0)
+    calls(0)  # rewritten in place: the kept FastCall and its plans compute the new topology
 
     dtype, tol = torch.float16, 3e-3  # 16-bit activations, float32 values: another signature
     calls(1)
@@ -482,3 +483,31 @@ def test_mask_updates_do_not_pile_up_old_topologies_in_the_op_registry():
     x = torch.randn(7, 64)
     want = x @ layer.dense_weight().t() + layer.bias
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", [8, 16])   # the plain-torch reference path; the kernels (interpreter here)
+def test_set_mask_rewrites_the_index_buffers_in_place_where_every_plan_can_follow(block):
+    """A mask update keeps the layer's index buffers (the very tensors a CUDA graph of the step read) and writes
+    the new topology into them where every plan kept on the metadata can follow; where one cannot (a CUDA-kernel
+    plan, faked here) the layer gets new buffers. Either way it computes the new topology."""
+    torch.manual_seed(1)
+    layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=block, format="block")
+    x = torch.randn(7, 64)
+    layer(x).sum().backward()                                          # plans (kernel path) kept on the metadata
+    names = [n for n in layer._buffers if n.startswith("_bs_")]
+
+    def update(expect_in_place: bool) -> None:
+        before = {n: layer._buffers[n] for n in names}
+        ptrs = {n: t.data_ptr() for n, t in before.items()}
+        mask = layer.mask.flatten()[torch.randperm(layer.mask.numel())].view_as(layer.mask)
+        layer.set_mask(mask)
+        same = all(layer._buffers[n] is before[n] and before[n].data_ptr() == ptrs[n] for n in names)
+        assert same == expect_in_place
+        assert torch.equal(layer._bs_meta.row_idx, BlockSparseMeta.from_mask(mask, block).row_idx)
+        torch.testing.assert_close(layer(x), x @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+        layer(x).sum().backward()
+
+    update(expect_in_place=True)
+    update(expect_in_place=True)
+    layer._bs_meta._groups.setdefault("plans", {})["not rewritable"] = object()
+    update(expect_in_place=False)

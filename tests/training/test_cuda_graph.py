@@ -113,14 +113,37 @@ def test_graph_steps_train_like_eager_steps(tmp_path, make_scheduler, updates, f
     eager, eager_losses, eager_sig = _run(tmp_path, "eager", make_scheduler(), False, fmt)
     graph, graph_losses, graph_sig = _run(tmp_path, "graph", make_scheduler(), True, fmt)
     assert eager["step_mode"] == "eager" and graph["step_mode"] == "cuda_graph"
-    # the block format installs new index tensors: one capture, again after every update; the masked format
-    # rewrites its mask in place, so its graph is kept (and replays the new mask: same losses and masks below)
-    recaptures = updates if fmt == "block" else 0
-    assert graph["graph_captures"] == 1 + recaptures and graph["graphs_kept"] == updates - recaptures
+    # after each update the graph is kept (the update wrote in place: the masked formats, and the block format
+    # where every plan it keeps can follow) or captured again (a CUDA-kernel plan, which the tuner may pick);
+    # a kept graph replays the new topology: the same losses and masks as eager steps, below
+    recaptures = graph["graph_captures"] - 1
+    assert graph["graphs_kept"] + recaptures == updates
+    if fmt == "masked":
+        assert recaptures == 0
     assert graph["graph_replays"] + graph["eager_steps"] == 12
     assert graph["graph_replays"] >= 12 - 2 * (1 + recaptures) - updates   # RigL: an eager step before each
     assert eager_sig == graph_sig                                   # the same masks after the same updates
     assert len(eager_losses) == len(graph_losses) == 6
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make_scheduler", [
+    lambda: PruneRegrow(SET(), drop_fraction=0.3, num_updates=3, seed=1),
+    lambda: PruneRegrow(RigL(), drop_fraction=0.3, num_updates=3, seed=1),
+])
+def test_block_graph_kept_across_updates_replays_the_new_topology(tmp_path, make_scheduler):
+    """With the Triton gather tiles forced (plans that follow an in-place rewrite) the block format's graph is
+    captured once and kept across every mask update, and trains like eager steps on the same tiles."""
+    from sparsetrain.kernels.blocksparse import gather
+    from sparsetrain.kernels.blocksparse.testing import forced_config
+
+    tiles = dict(fwd=gather.DDS_CANDIDATES[16][0], dx=gather.DDS_CANDIDATES[16][0], dw=gather.DW_CANDIDATES[16][0])
+    with forced_config(**tiles):
+        eager, eager_losses, eager_sig = _run(tmp_path, "eager", make_scheduler(), False, "block")
+        graph, graph_losses, graph_sig = _run(tmp_path, "graph", make_scheduler(), True, "block")
+    assert graph["graph_captures"] == 1 and graph["graphs_kept"] == 3
+    assert eager_sig == graph_sig
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-4, atol=2e-4)
 
 

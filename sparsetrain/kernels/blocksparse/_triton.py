@@ -130,6 +130,7 @@ def _dw_item(grow_ptr, gstart_ptr, gcount_ptr, T, n_groups, t_per_split, HAS_DBI
     t_end = tl.minimum(t_begin + t_per_split, T)
     if not HAS_DBIAS:
         t_end = tl.where(cnt > 0, t_end, t_begin)  # empty row without bias: nothing to do
+    t_end = tl.where(cnt >= 0, t_end, t_begin)     # a padding group (count -1, dw_groups(fixed=True)): nothing
     return grp, r, s0, cnt, t_begin, t_end
 
 
@@ -160,7 +161,7 @@ def sampled_grad_kernel(
     dy_ptr,      # [T, O] output gradient dY, unit column stride, row stride stride_dy
     grow_ptr,    # [n_groups] int32: block row of each group
     gstart_ptr,  # [n_groups] int32: first slot of the group (the slots of one block row are consecutive)
-    gcount_ptr,  # [n_groups] int32: blocks in the group, 0..GROUP (0: an empty block row, kept for dbias)
+    gcount_ptr,  # [n_groups] int32: blocks in the group, 0..GROUP (0: an empty block row, kept for dbias; -1: padding)
     gfirst_ptr,  # [n_groups] int32: 1 for the first group of its block row (it alone adds the bias gradient)
     kidx_ptr,    # [n_blocks] int32: block column of each slot
     dv_ptr,      # [n_blocks, BLOCK, BLOCK] gradient of the values: float32 zero-filled when SPLIT > 1, else any dtype

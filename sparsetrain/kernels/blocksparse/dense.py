@@ -28,6 +28,7 @@ class DdsPlan:
     """The dense fallback for the forward / input gradient (called like the kernel plans)."""
 
     __slots__ = ("meta", "forward", "has_bias", "out_width")
+    stable = True   # reads the index tensors at every call: follows BlockSparseMeta.rewrite_
 
     def __init__(self, meta: BlockSparseMeta, forward: bool, has_bias: bool):
         self.meta, self.forward, self.has_bias = meta, forward, has_bias
@@ -48,6 +49,7 @@ class DwPlan:
     are float32 and this torch has ``mm(out_dtype=)``), then a gather of the active blocks."""
 
     __slots__ = ("meta", "with_bias", "atomic", "f32_out")
+    stable = True
 
     def __init__(self, x: Tensor, meta: BlockSparseMeta, with_bias: bool):
         self.meta, self.with_bias, self.atomic = meta, with_bias, False

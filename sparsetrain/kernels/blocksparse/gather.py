@@ -83,12 +83,15 @@ class TritonPlan:
     """One launch of one kernel with everything but the data pointers fixed: ``args`` holds the kernel's
     arguments with ``None`` at the positions listed in ``ptr_pos`` (filled per call)."""
 
-    __slots__ = ("kernel", "grid", "args", "ptr_pos", "options", "out_width", "atomic", "launch")
+    __slots__ = ("kernel", "grid", "args", "ptr_pos", "options", "out_width", "atomic", "stable", "launch")
 
     def __init__(self, kernel, grid: tuple[int, ...], args: list, ptr_pos: tuple[int, ...], options: dict, *,
-                 out_width: int = 0, atomic: bool = False):
+                 out_width: int = 0, atomic: bool = False, stable: bool = False):
         self.kernel, self.grid, self.args, self.ptr_pos, self.options = kernel, grid, args, ptr_pos, options
         self.out_width, self.atomic = out_width, atomic
+        #: its grid and integer arguments hold for any topology of the active count, and its tensors are
+        #: refilled by BlockSparseMeta.rewrite_: the plan (and a CUDA graph that captured it) follows an update
+        self.stable = stable
         self.launch = KernelLaunch(kernel, grid, options)
 
     def __call__(self, *ptrs: Tensor) -> None:
@@ -117,7 +120,7 @@ def dds_plan(meta: BlockSparseMeta, cfg: DdsConfig, forward: bool, has_bias: boo
 
     B = meta.block
     n_out = meta.grid[0] if forward else meta.grid[1]
-    ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k)
+    ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k, fixed=True)
     n_ranges = cdiv(n_out, cfg.blocks_per_prog)
     grid = (cdiv(T, cfg.block_t) * n_ranges,)
     args = [None, None, ptr, kidx, slot, oidx, None, None,
@@ -125,7 +128,8 @@ def dds_plan(meta: BlockSparseMeta, cfg: DdsConfig, forward: bool, has_bias: boo
     opts = dict(FORWARD=forward, HAS_BIAS=has_bias, BLOCK=B, GROUP_K=cfg.group_k, BLOCK_T=cfg.block_t,
                 CACHE_A=cfg.cache_a, WIDE=cfg.wide and cfg.group_k == 1, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
-    return TritonPlan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7), opts, out_width=n_out * B)
+    return TritonPlan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7), opts, out_width=n_out * B,
+                      stable=True)
 
 
 def dw_plan(meta: BlockSparseMeta, cfg: DwConfig, with_bias: bool, T: int, x_strides: tuple[int, int],
@@ -133,14 +137,15 @@ def dw_plan(meta: BlockSparseMeta, cfg: DwConfig, with_bias: bool, T: int, x_str
     """The launch plan of :func:`~._triton.sampled_grad_kernel` for one tile (from integers only)."""
     from sparsetrain.kernels.blocksparse._triton import sampled_grad_kernel
 
-    grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group)
+    grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group, fixed=True)
     split = _choose_split(n_groups, T, cfg.block_t, device)
     t_per_split = cdiv(cdiv(T, split), cfg.block_t) * cfg.block_t
     args = [None, None, grow, gstart, gcount, gfirst, meta.col_idx, None, None,
             T, x_strides[0], x_strides[1], dy_stride, n_groups, t_per_split]
     opts = dict(HAS_DBIAS=with_bias, BLOCK=meta.block, GROUP=cfg.group, BLOCK_T=cfg.block_t, SPLIT=split,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return TritonPlan(sampled_grad_kernel, (n_groups * split,), args, (0, 1, 7, 8), opts, atomic=split > 1)
+    return TritonPlan(sampled_grad_kernel, (n_groups * split,), args, (0, 1, 7, 8), opts, atomic=split > 1,
+                      stable=True)
 
 
 def _candidates(p: Product) -> list:

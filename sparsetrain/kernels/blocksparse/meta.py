@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -94,6 +95,38 @@ class BlockSparseMeta:
                    row_ptr.to(i32), cols.to(i32), rows.to(i32),
                    col_ptr.to(i32), t_rows.to(i32), slot_of[t_rows, t_cols].to(i32))
 
+    def rewrite_(self, mask: Tensor) -> bool:
+        """Install the topology of ``mask`` (a bool block mask with this one's grid and active count) in place:
+        the six index tensors, every derived entry list and so every kept launch plan keep their storage and
+        read the new topology, so kernels captured in a CUDA graph stay valid. Returns False, changing nothing,
+        where something kept on this metadata cannot follow in place (a plan of a backend whose launch depends
+        on the topology, e.g. the CUDA kernels' host-built tables); the caller then builds a new metadata."""
+        keys = list(self._groups)
+        if not all(_rewritable(k, self._groups[k]) for k in keys):
+            return False
+        new = BlockSparseMeta.from_mask(mask.to(self.device), (self.block_rows, self.block_cols))
+        if new.grid != self.grid or new.n_blocks != self.n_blocks:
+            raise ValueError(f"rewrite_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the new "
+                             f"mask has grid {new.grid} and {new.n_blocks}")
+        with torch.no_grad():
+            for name in self.TENSORS:
+                getattr(self, name).copy_(getattr(new, name))
+            for key in keys:   # each derived list refilled from the same builder on the new topology
+                if key[0] == "dds":
+                    fresh = new.padded_entries(*key[1:])
+                elif key[0] == "dw":
+                    fresh = new.dw_groups(*key[1:])
+                elif key[0] == "span":
+                    fresh = new.span_entries(*key[1:])
+                elif key[0] == "block_index":   # the reference path's int64 copies of row_idx and col_idx
+                    fresh = (new.row_idx.long(), new.col_idx.long())
+                else:
+                    continue   # plans and calls: they read the lists refilled here
+                for mine, theirs in zip(self._groups[key], fresh, strict=True):
+                    if isinstance(mine, Tensor):
+                        mine.copy_(theirs)
+        return True
+
     @property
     def grid(self) -> tuple[int, int]:
         return self.out_features // self.block_rows, self.in_features // self.block_cols
@@ -126,12 +159,16 @@ class BlockSparseMeta:
     def to(self, device: torch.device | str) -> BlockSparseMeta:
         return self.with_tensors(**{k: getattr(self, k).to(device) for k in self.TENSORS})
 
-    def padded_entries(self, forward: bool, group_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def padded_entries(self, forward: bool, group_k: int, fixed: bool = False
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Entry lists of the dense x block-sparse kernel, per output column block, each padded to a
         multiple of ``group_k`` (at least one group, so empty output blocks are written too):
         ``(ptr [n_out+1], kidx, slot (-1 = padding), out_block)``. Forward: per block row of W (CSR);
-        input gradient: per block column (the transpose metadata). Cached per ``(forward, group_k)``."""
-        key = ("dds", forward, group_k)
+        input gradient: per block column (the transpose metadata). ``fixed``: the lists are allocated at the
+        largest size any topology of this active count needs (``n_blocks + n_out * group_k``; the tail past
+        ``ptr[-1]`` is padding with ``out_block = n_out``), so :meth:`rewrite_` can refill them in place.
+        Cached per ``(forward, group_k, fixed)``."""
+        key = ("dds", forward, group_k, fixed)
         if key not in self._groups:
             if forward:
                 ptr, kidx = self.row_ptr.long(), self.col_idx.long()
@@ -152,6 +189,10 @@ class BlockSparseMeta:
             else:
                 pk = torch.where(real, kidx[src], 0)
                 ps = torch.where(real, slot[src], -1)
+            if fixed:
+                tail = self.n_blocks + n_out * group_k - out_block.numel()
+                pk, ps = F.pad(pk, (0, tail)), F.pad(ps, (0, tail), value=-1)
+                out_block = F.pad(out_block, (0, tail), value=n_out)
             i32 = torch.int32
             self._groups[key] = (pptr.to(i32), pk.to(i32), ps.to(i32), out_block.to(i32))
         return self._groups[key]
@@ -161,7 +202,9 @@ class BlockSparseMeta:
         group of them, the input blocks any of them uses (ascending), padded to a multiple of ``group_k``, and
         for each entry the slot of each output block's block there: ``(gptr [n_groups+1], kidx, slots
         [n_entries, span] (-1: inactive or padding), n_groups)``. Forward: output blocks are block rows of W;
-        input gradient: block columns. A group whose blocks are all empty has no entries. Cached per
+        input gradient: block columns. A group whose blocks are all empty has no entries. Allocated at the
+        largest size any topology of this active count needs (``n_blocks + n_groups * (group_k - 1)``; the tail
+        past ``gptr[-1]`` is padding), so :meth:`rewrite_` can refill them in place. Cached per
         ``(forward, span, group_k)``."""
         key = ("span", forward, span, group_k)
         if key not in self._groups:
@@ -182,19 +225,22 @@ class BlockSparseMeta:
             gi, ki = used.nonzero(as_tuple=True)                # by group, input blocks ascending
             rank = torch.arange(gi.numel(), device=dev) - (counts.cumsum(0) - counts)[gi]
             pos = gptr[gi] + rank
-            total = int(gptr[-1])
-            kidx = torch.zeros(total, dtype=torch.long, device=dev)
-            slots = torch.full((total, span), -1, dtype=torch.long, device=dev)
+            capacity = self.n_blocks + n_groups * (group_k - 1)
+            kidx = torch.zeros(capacity, dtype=torch.long, device=dev)
+            slots = torch.full((capacity, span), -1, dtype=torch.long, device=dev)
             kidx[pos], slots[pos] = ki, per_group[gi, ki]
             i32 = torch.int32
             self._groups[key] = (gptr.to(i32), kidx.to(i32), slots.to(i32).contiguous(), n_groups)
         return self._groups[key]
 
-    def dw_groups(self, group: int) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    def dw_groups(self, group: int, fixed: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
         """Groups of up to ``group`` consecutive active blocks of one block row, for the weight-gradient
         kernel: ``(row, first_slot, count, is_first_of_row, n_groups)``. Every block row has at least one
-        group (count 0 when empty) so that the fused bias gradient covers it. Cached per ``group``."""
-        key = ("dw", group)
+        group (count 0 when empty) so that the fused bias gradient covers it. ``fixed``: allocated at the
+        largest count any topology of this active count needs (``R + n_blocks // group``; padding groups have
+        count -1 and do nothing), so :meth:`rewrite_` can refill them in place and the launch grid stays.
+        Cached per ``(group, fixed)``."""
+        key = ("dw", group, fixed)
         if key not in self._groups:
             R, _ = self.grid
             ptr = self.row_ptr.long()
@@ -205,6 +251,23 @@ class BlockSparseMeta:
             chunk = torch.arange(total, device=self.device) - torch.repeat_interleave(ng.cumsum(0) - ng, ng)
             gstart = ptr[grow] + chunk * group
             gcount = (ptr[grow + 1] - gstart).clamp(0, group)
+            first = (chunk == 0).long()
+            if fixed:
+                tail = R + self.n_blocks // group - total
+                grow, gstart, first = (F.pad(t, (0, tail)) for t in (grow, gstart, first))
+                gcount = F.pad(gcount, (0, tail), value=-1)
+                total += tail
             i32 = torch.int32
-            self._groups[key] = (grow.to(i32), gstart.to(i32), gcount.to(i32), (chunk == 0).to(i32), total)
+            self._groups[key] = (grow.to(i32), gstart.to(i32), gcount.to(i32), first.to(i32), total)
         return self._groups[key]
+
+
+def _rewritable(key, value) -> bool:
+    """Whether the entry ``key: value`` of a metadata's cache follows :meth:`BlockSparseMeta.rewrite_`: entry lists
+    whose sizes depend only on the active count, and plans (or fast calls holding them) that say ``stable``."""
+    if key in ("plans", "calls"):
+        plans = value.values() if key == "plans" else (p for c in value.values() for p in (c.fwd, c.dx, *c.dw))
+        return all(p is None or getattr(p, "stable", False) for p in plans)
+    if not isinstance(key, tuple):
+        return False
+    return key[0] in ("dds", "dw") and key[-1] is True or key[0] in ("span", "block_index")

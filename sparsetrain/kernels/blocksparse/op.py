@@ -186,7 +186,8 @@ _compiler = torch.compiler
 # their plan caches). The metadata travels as its six index tensors; the BlockSparseMeta (with its derived
 # entry lists and launch plans) is looked up by their data pointers, so it is built once per topology. The
 # registry's metas hold their tensors, so no other tensor can be allocated at those addresses while an entry
-# lives: a pointer match is the same topology (the block format never rewrites index tensors in place).
+# lives: a pointer match is the same metadata (which BlockSparseMeta.rewrite_ may have given a new topology in
+# place, together with every list and plan it keeps).
 _OP_METAS: dict[tuple, BlockSparseMeta] = {}
 OP_META_BUILDS = [0]  # how many metas the ops built (tests and benchmarks read it)
 

@@ -51,7 +51,8 @@ def span_plan(meta: BlockSparseMeta, cfg: SpanConfig, forward: bool, has_bias: b
     args = [None, None, gptr, kidx, slots, None, None, T, a_strides[0], a_strides[1], n_out * B, n_groups]
     opts = dict(FORWARD=forward, HAS_BIAS=has_bias, BLOCK=B, SPAN=cfg.span, GROUP_K=cfg.group_k,
                 BLOCK_T=cfg.block_t, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return TritonPlan(dense_x_blocksparse_span_kernel, grid, args, (0, 1, 5, 6), opts, out_width=n_out * B)
+    return TritonPlan(dense_x_blocksparse_span_kernel, grid, args, (0, 1, 5, 6), opts, out_width=n_out * B,
+                      stable=True)
 
 
 def _candidates(p: Product) -> list:

@@ -134,6 +134,9 @@ class _WithFallback:
     would keep them (the first batch's activations and output, per layer) alive as long as the plan."""
 
     __slots__ = ()
+    #: follows BlockSparseMeta.rewrite_: the grid depends on the shapes only, the kernels read the index tensors
+    #: and the fixed-size groups, and the fallback is a stable gather plan
+    stable = True
 
     def _fall_back(self, *ptrs: Tensor) -> None:
         if not isinstance(self.fallback, gather.TritonPlan):
@@ -193,7 +196,7 @@ class DwPlan(_WithFallback):
         from sparsetrain.kernels.blocksparse._triton import sampled_grad_tma_kernel
 
         self.cfg, self.meta, self.T, self.fallback = cfg, meta, x.shape[0], fallback
-        self.groups = meta.dw_groups(cfg.group)
+        self.groups = meta.dw_groups(cfg.group, fixed=True)
         split = gather._choose_split(self.groups[4], self.T, cfg.block_t, x.device)
         self.t_per_split = gather.cdiv(gather.cdiv(self.T, split), cfg.block_t) * cfg.block_t
         self.atomic = split > 1

@@ -332,3 +332,46 @@ def test_cached_plans_keep_no_call_tensors(kind):
     gc.collect()
     assert len(meta._groups["plans"]) == 3  # the plans were cached ...
     assert [r() is None for r in refs] == [True] * len(refs)  # ... and hold none of the steps' tensors
+
+
+@pytest.mark.parametrize("b,tiles", [
+    (16, dict(fwd=DdsConfig(16, 2, 2, 4, 1), dx=SpanConfig(16, 2, 2, 4, 1), dw=DwConfig(2, 16, 4, 1))),
+    (32, dict(fwd=SpanConfig(16, 2, 1, 4, 1), dx=DdsConfig(16, 1, 2, 4, 1), dw=DwConfig(1, 16, 4, 1))),
+    (32, dict(fwd=TmaDdsConfig(16, 4, 1), dx=TmaDdsConfig(16, 4, 1, True), dw=TmaDwConfig(16, 4, 1, 2))),
+    (16, dict(fwd=DenseConfig(), dx=DenseConfig(), dw=DenseConfig())),
+])
+def test_kept_plans_follow_an_in_place_topology_rewrite(b, tiles, poison):
+    """After BlockSparseMeta.rewrite_ the plans kept on the metadata (the very objects, none rebuilt: what a CUDA
+    graph captured) compute the new topology's forward, dX, dW and bias gradient."""
+    T, I, O = 37, 64, 96
+    gen = torch.Generator().manual_seed(b)
+    mask = torch.rand(O // b, I // b, generator=gen) < 0.5
+    mask[0] = False                                                 # an empty block row in the first topology
+    meta = BlockSparseMeta.from_mask(mask, b)
+
+    def check() -> None:
+        values = (torch.randn(meta.n_blocks, b, b, generator=gen) / b).requires_grad_()
+        x = torch.randn(T, I, generator=gen, requires_grad=True)
+        bias = torch.randn(O, generator=gen, requires_grad=True)
+        dy = torch.randn(T, O, generator=gen)
+        for _ in range(2):                                          # the second call takes the kept fast path
+            values.grad = x.grad = bias.grad = None
+            block_sparse_linear(x, values, meta, bias).backward(dy)
+        w64 = values_to_dense(values.detach().double(), meta).requires_grad_()
+        x64, b64 = x.detach().double().requires_grad_(), bias.detach().double().requires_grad_()
+        y64 = torch.nn.functional.linear(x64, w64, b64)
+        y64.backward(dy.double())
+        assert rel(block_sparse_linear(x, values, meta, bias).detach(), y64.detach()) < 1e-5
+        assert rel(x.grad, x64.grad) < 1e-5 and rel(bias.grad, b64.grad) < 1e-5
+        assert rel(values.grad, dense_to_values(w64.grad, meta)) < 1e-5
+
+    with forced_config(**tiles):
+        check()
+        kept = dict(meta._groups["plans"])
+        assert kept and all(p.stable for p in kept.values())
+        flat = mask.flatten()
+        new = flat[torch.randperm(flat.numel(), generator=gen)].view(mask.shape)
+        assert not torch.equal(new, mask) and meta.rewrite_(new)
+        check()
+        assert meta._groups["plans"].keys() == kept.keys()
+        assert all(meta._groups["plans"][k] is p for k, p in kept.items())

@@ -97,3 +97,72 @@ def test_meta_rejects_bad_mask():
     with pytest.raises(ValueError, match="mask"):
         BlockSparseMeta.from_mask(torch.ones(2, dtype=torch.bool), 16)
 
+
+
+@pytest.mark.parametrize("forward", [True, False])
+@pytest.mark.parametrize("group_k", [1, 4])
+def test_fixed_padded_entries_hold_the_exact_lists_then_padding(forward, group_k):
+    """The fixed-size entry lists (what the Triton plans use) are the exact lists, then padding up to the size
+    any topology of the active count needs."""
+    mask = make_mask("empty_rows_cols", (7, 9), torch.Generator().manual_seed(9))
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    exact = meta.padded_entries(forward, group_k)
+    fixed = meta.padded_entries(forward, group_k, fixed=True)
+    n_out = 7 if forward else 9
+    assert torch.equal(exact[0], fixed[0])
+    used = int(exact[0][-1])
+    for e, f in zip(exact[1:], fixed[1:]):
+        assert f.numel() == meta.n_blocks + n_out * group_k and torch.equal(e, f[:used])
+    assert bool((fixed[2][used:] == -1).all()) and bool((fixed[3][used:] == n_out).all())
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_fixed_dw_groups_pad_with_groups_that_do_nothing(group):
+    mask = make_mask("empty_rows_cols", (7, 9), torch.Generator().manual_seed(2))
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    grow, gstart, gcount, gfirst, n = meta.dw_groups(group)
+    fgrow, fgstart, fgcount, fgfirst, fn = meta.dw_groups(group, fixed=True)
+    assert fn == 7 + meta.n_blocks // group >= n and fgcount.numel() == fn
+    for a, b in ((grow, fgrow), (gstart, fgstart), (gcount, fgcount), (gfirst, fgfirst)):
+        assert torch.equal(a, b[:n])
+    assert bool((fgcount[n:] == -1).all()) and bool((fgfirst[n:] == 0).all())
+
+
+def test_rewrite_installs_a_topology_in_place_and_refills_derived_lists():
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.rand(6, 8, generator=gen) < 0.3
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    lists = [meta.padded_entries(True, 4, fixed=True), meta.padded_entries(False, 1, fixed=True),
+             meta.dw_groups(2, fixed=True), meta.span_entries(True, 4, 2), meta.span_entries(False, 2, 1)]
+    ids = [id(t) for group in lists for t in group if torch.is_tensor(t)] + [id(getattr(meta, n))
+                                                                             for n in meta.TENSORS]
+    flat = mask.flatten()
+    new = flat[torch.randperm(flat.numel(), generator=gen)].view(6, 8)   # same count, another topology
+    assert not torch.equal(new, mask)
+    assert meta.rewrite_(new) is True
+    fresh = BlockSparseMeta.from_mask(new, 16)
+    for name in meta.TENSORS:
+        assert torch.equal(getattr(meta, name), getattr(fresh, name)), name
+    want = [fresh.padded_entries(True, 4, fixed=True), fresh.padded_entries(False, 1, fixed=True),
+            fresh.dw_groups(2, fixed=True), fresh.span_entries(True, 4, 2), fresh.span_entries(False, 2, 1)]
+    for got, ref in zip(lists, want):
+        for g, r in zip(got, ref):
+            assert torch.equal(g, r) if torch.is_tensor(g) else g == r
+    assert ids == [id(t) for group in lists for t in group if torch.is_tensor(t)] + [id(getattr(meta, n))
+                                                                                     for n in meta.TENSORS]
+
+
+def test_rewrite_refuses_what_cannot_follow_and_changes_nothing():
+    mask = torch.zeros(4, 4, dtype=torch.bool)
+    mask[0, :2] = True
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    before = [getattr(meta, n).clone() for n in meta.TENSORS]
+    meta.padded_entries(True, 1)                                    # the exact lists (the CUDA tables' input)
+    assert meta.rewrite_(mask.flip(1)) is False
+    assert all(torch.equal(getattr(meta, n), b) for n, b in zip(meta.TENSORS, before))
+    meta._groups.clear()
+    meta._groups["plans"] = {"k": object()}                         # a plan that does not say it is stable
+    assert meta.rewrite_(mask.flip(1)) is False
+    meta._groups.clear()
+    with pytest.raises(ValueError, match="keeps the grid"):
+        meta.rewrite_(torch.ones(4, 4, dtype=torch.bool))
