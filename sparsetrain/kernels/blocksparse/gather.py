@@ -138,7 +138,7 @@ def dw_plan(meta: BlockSparseMeta, cfg: DwConfig, with_bias: bool, T: int, x_str
     from sparsetrain.kernels.blocksparse._triton import sampled_grad_kernel
 
     grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group, fixed=True)
-    split = _choose_split(n_groups, T, cfg.block_t, device)
+    split = _choose_split(meta.dw_groups_used(cfg.group), T, cfg.block_t, device)   # for the groups with work
     t_per_split = cdiv(cdiv(T, split), cfg.block_t) * cfg.block_t
     args = [None, None, grow, gstart, gcount, gfirst, meta.col_idx, None, None,
             T, x_strides[0], x_strides[1], dy_stride, n_groups, t_per_split]

@@ -121,7 +121,7 @@ class BlockSparseMeta:
                 elif key[0] == "block_index":   # the reference path's int64 copies of row_idx and col_idx
                     fresh = (new.row_idx.long(), new.col_idx.long())
                 else:
-                    continue   # plans and calls: they read the lists refilled here
+                    continue   # plans and calls read the lists refilled here; dw_used is a tiling choice
                 for mine, theirs in zip(self._groups[key], fresh, strict=True):
                     if isinstance(mine, Tensor):
                         mine.copy_(theirs)
@@ -197,6 +197,12 @@ class BlockSparseMeta:
             self._groups[key] = (pptr.to(i32), pk.to(i32), ps.to(i32), out_block.to(i32))
         return self._groups[key]
 
+    def dw_groups_used(self, group: int) -> int:
+        """How many groups of :meth:`dw_groups` ``(group, fixed=True)`` held work when the lists were built (a
+        host int: what a plan chooses its token split for; a later :meth:`rewrite_` leaves it, a tiling choice)."""
+        self.dw_groups(group, fixed=True)
+        return self._groups[("dw_used", group)]
+
     def span_entries(self, forward: bool, span: int, group_k: int) -> tuple[Tensor, Tensor, Tensor, int]:
         """Entry lists of the span kernel, whose programs own ``span`` consecutive output column blocks: per
         group of them, the input blocks any of them uses (ascending), padded to a multiple of ``group_k``, and
@@ -253,6 +259,7 @@ class BlockSparseMeta:
             gcount = (ptr[grow + 1] - gstart).clamp(0, group)
             first = (chunk == 0).long()
             if fixed:
+                self._groups[("dw_used", group)] = total   # the groups with work, when the lists were built
                 tail = R + self.n_blocks // group - total
                 grow, gstart, first = (F.pad(t, (0, tail)) for t in (grow, gstart, first))
                 gcount = F.pad(gcount, (0, tail), value=-1)
@@ -270,4 +277,4 @@ def _rewritable(key, value) -> bool:
         return all(p is None or getattr(p, "stable", False) for p in plans)
     if not isinstance(key, tuple):
         return False
-    return key[0] in ("dds", "dw") and key[-1] is True or key[0] in ("span", "block_index")
+    return key[0] in ("dds", "dw") and key[-1] is True or key[0] in ("span", "block_index", "dw_used")

@@ -197,7 +197,7 @@ class DwPlan(_WithFallback):
 
         self.cfg, self.meta, self.T, self.fallback = cfg, meta, x.shape[0], fallback
         self.groups = meta.dw_groups(cfg.group, fixed=True)
-        split = gather._choose_split(self.groups[4], self.T, cfg.block_t, x.device)
+        split = gather._choose_split(meta.dw_groups_used(cfg.group), self.T, cfg.block_t, x.device)
         self.t_per_split = gather.cdiv(gather.cdiv(self.T, split), cfg.block_t) * cfg.block_t
         self.atomic = split > 1
         self.launch = _Launches(sampled_grad_tma_kernel, (self.groups[4] * split,), dict(
