@@ -69,8 +69,8 @@ def _args(**kw) -> TrainArgs:
     return TrainArgs(**base)
 
 
-def _run(tmp_path, name, scheduler, cuda_graph, fmt="block"):
-    spec = _spec(scheduler, _args(cuda_graph=cuda_graph))
+def _run(tmp_path, name, scheduler, cuda_graph, fmt="block", **args):
+    spec = _spec(scheduler, _args(cuda_graph=cuda_graph, **args))
     spec.sparsify_kwargs["format"] = fmt
     spec.build_model = lambda: _no_dropout(build_model("bert", "tiny", vocab_size=64, seq_len=16,
                                                        num_hidden_layers=1, attn_implementation="sdpa"))
@@ -128,23 +128,30 @@ def test_graph_steps_train_like_eager_steps(tmp_path, make_scheduler, updates, f
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("make_scheduler", [
-    lambda: PruneRegrow(SET(), drop_fraction=0.3, num_updates=3, seed=1),
-    lambda: PruneRegrow(RigL(), drop_fraction=0.3, num_updates=3, seed=1),
+@pytest.mark.parametrize("backend,make_scheduler", [
+    ("gather", lambda: PruneRegrow(SET(), drop_fraction=0.3, num_updates=3, seed=1)),
+    ("gather", lambda: PruneRegrow(RigL(), drop_fraction=0.3, num_updates=3, seed=1)),
+    ("cuda", lambda: PruneRegrow(SET(), drop_fraction=0.3, num_updates=3, seed=1)),
 ])
-def test_block_graph_kept_across_updates_replays_the_new_topology(tmp_path, make_scheduler):
-    """With the Triton gather tiles forced (plans that follow an in-place rewrite) the block format's graph is
-    captured once and kept across every mask update, and trains like eager steps on the same tiles."""
-    from sparsetrain.kernels.blocksparse import gather
+def test_block_graph_kept_across_updates_replays_the_new_topology(tmp_path, make_scheduler, backend):
+    """With one backend's tiles forced (the Triton gather tiles, fp32; the CUDA kernels, bf16) the block format's
+    graph is captured once and kept across every mask update (the plans follow the in-place rewrite), and trains
+    like eager steps on the same tiles."""
+    from sparsetrain.kernels.blocksparse import _cuda, gather
     from sparsetrain.kernels.blocksparse.testing import forced_config
 
-    tiles = dict(fwd=gather.DDS_CANDIDATES[16][0], dx=gather.DDS_CANDIDATES[16][0], dw=gather.DW_CANDIDATES[16][0])
+    if backend == "gather":
+        tiles, args, tol = dict(fwd=gather.DDS_CANDIDATES[16][0], dx=gather.DDS_CANDIDATES[16][0],
+                                dw=gather.DW_CANDIDATES[16][0]), {}, 2e-4
+    else:
+        tiles, args, tol = dict(fwd=_cuda.CANDIDATES[0], dx=_cuda.CANDIDATES[0], dw=_cuda.DW_CANDIDATES[0]), \
+            dict(mixed_precision="bf16"), 2e-2
     with forced_config(**tiles):
-        eager, eager_losses, eager_sig = _run(tmp_path, "eager", make_scheduler(), False, "block")
-        graph, graph_losses, graph_sig = _run(tmp_path, "graph", make_scheduler(), True, "block")
+        eager, eager_losses, eager_sig = _run(tmp_path, "eager", make_scheduler(), False, "block", **args)
+        graph, graph_losses, graph_sig = _run(tmp_path, "graph", make_scheduler(), True, "block", **args)
     assert graph["graph_captures"] == 1 and graph["graphs_kept"] == 3
     assert eager_sig == graph_sig
-    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -21,7 +21,14 @@ import torch
 from torch import Tensor
 
 from sparsetrain.kernels._runtime.device import num_sms, raw_stream, smem_optin
-from sparsetrain.kernels.blocksparse._cuda_tables import _cdiv, dw_table, entry_info, ks_table, warp_bounds
+from sparsetrain.kernels.blocksparse._cuda_tables import (
+    _cdiv,
+    dw_ctas_used,
+    dw_table,
+    entry_info,
+    ks_table,
+    warp_ranges,
+)
 from sparsetrain.kernels.blocksparse.tuner import Backend, Product, interpreting
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -74,6 +81,7 @@ class CudaDdsPlan:
     ``plan(a, values, bias_or_placeholder, out)``)."""
 
     __slots__ = ("fn", "info", "wbound", "t", "k", "block", "cfg", "trans", "has_bias", "out_width")
+    stable = True   # its tables are kept on the metadata and refilled by BlockSparseMeta.rewrite_
 
     def __init__(self, a: Tensor, meta, cfg: CudaDdsConfig, forward: bool, has_bias: bool):
         so = _lib(a.device)
@@ -84,9 +92,8 @@ class CudaDdsPlan:
         warps = so.sparsetrain_bs_dds_warps(block, cfg.mt, cfg.half)
         if warps <= 0:
             raise ValueError(f"bs_dds: no tile {cfg} for {block}x{block} blocks")
-        pptr = meta.padded_entries(forward, 1)[0]
         self.info = entry_info(meta, forward)
-        self.wbound = warp_bounds(pptr, cfg.splits * warps)
+        self.wbound = warp_ranges(meta, forward, cfg.splits * warps)
         self.t, self.k = a.shape
         self.block, self.cfg, self.trans, self.has_bias = block, cfg, not forward, has_bias
         n_out = meta.grid[0] if forward else meta.grid[1]
@@ -149,6 +156,7 @@ class CudaKsPlan:
     """One launch of ``bs_dds_ks`` (called like the other dense x block-sparse plans)."""
 
     __slots__ = ("fn", "tables", "t", "k", "cfg", "trans", "has_bias", "grid_y", "out_width")
+    stable = True
 
     def __init__(self, a: Tensor, meta, cfg: CudaKsConfig, forward: bool, has_bias: bool):
         so = _lib(a.device)
@@ -212,6 +220,7 @@ class CudaDwPlan:
     with ``dv`` (and ``db``) zeroed fp32 (``atomic``)."""
 
     __slots__ = ("fn", "cta", "blk", "aw", "bw", "t", "tc", "splits", "tps", "with_bias", "atomic")
+    stable = True   # its CTA table has room for later topologies (an empty CTA returns at once)
 
     def __init__(self, x: Tensor, meta, cfg: CudaDwConfig, with_bias: bool):
         so = _dw_lib(x.device)
@@ -220,7 +229,7 @@ class CudaDwPlan:
         self.fn = so.sparsetrain_bs_dw
         self.cta, self.blk, self.aw, self.bw = dw_table(meta, with_bias, _dw_cap(so))
         self.t, self.tc, self.with_bias = x.shape[0], cfg.tc, with_bias
-        n_cta = self.cta.shape[0]
+        n_cta = dw_ctas_used(meta, with_bias, _dw_cap(so))   # the split is chosen for the CTAs with work
         splits = max(1, min(_cdiv(2 * num_sms(x.device), n_cta), self.t // (4 * cfg.tc)))
         self.tps = _cdiv(_cdiv(self.t, splits), cfg.tc) * cfg.tc  # tokens per split, a multiple of tc
         self.splits = _cdiv(self.t, self.tps)

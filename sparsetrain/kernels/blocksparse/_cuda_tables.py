@@ -1,10 +1,17 @@
 """Host-built index tables of the CUDA kernels (``csrc/bs_dds.cu``, ``csrc/bs_dw.cu``), derived from a
-:class:`~.meta.BlockSparseMeta` once per topology and cached on it. Plain torch, so they are tested anywhere.
+:class:`~.meta.BlockSparseMeta` and cached on it. Plain torch, so they are tested anywhere.
+
+Each table has a size that a mask update of the same active count can keep (the entry lists at their largest, the
+weight-gradient CTA table with room to spare), and a rule in :data:`~.meta.REFILL`, so
+:meth:`~.meta.BlockSparseMeta.rewrite_` refills them in place and a CUDA graph that launched these kernels stays
+valid; a new topology that outgrows the CTA table takes new metadata instead.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from sparsetrain.kernels.blocksparse.meta import REFILL
 
 STRIP_BLOCKS = 32  # widest column strip a CTA of the weight-gradient kernel stages of its strip operand (blocks)
 
@@ -14,12 +21,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def entry_info(meta, forward: bool) -> Tensor:
-    """``[E, 4]`` int32 per entry of the padded entry list (``meta.padded_entries(forward, 1)``): offset of its
-    block in ``values`` (elements; -1 = padding), its column in the dense operand, its output column, and 1
-    where it is the last entry of its output block (the kernel stores there). Cached on the metadata."""
+    """``[E, 4]`` int32 per entry of the padded entry list (``meta.padded_entries(forward, 1, fixed=True)``): offset
+    of its block in ``values`` (elements; -1 = padding), its column in the dense operand, its output column, and 1
+    where it is the last entry of its output block (the kernel stores there). The list's tail past its last real
+    entry is padding that no warp range reaches. Cached on the metadata."""
     key = ("bs_dds_info", forward)
     if key not in meta._groups:
-        _, kidx, slot, oblk = meta.padded_entries(forward, 1)
+        _, kidx, slot, oblk = meta.padded_entries(forward, 1, fixed=True)
         b = meta.block
         slot, oblk = slot.long(), oblk.long()
         last = torch.ones_like(oblk)
@@ -27,6 +35,14 @@ def entry_info(meta, forward: bool) -> Tensor:
             last[:-1] = (oblk[1:] != oblk[:-1]).long()
         info = torch.stack([torch.where(slot >= 0, slot * b * b, -1), kidx.long() * b, oblk * b, last], dim=1)
         meta._groups[key] = info.to(torch.int32).contiguous()
+    return meta._groups[key]
+
+
+def warp_ranges(meta, forward: bool, n_ranges: int) -> Tensor:
+    """:func:`warp_bounds` of the entry list of ``entry_info(meta, forward)``, cached on the metadata."""
+    key = ("bs_wbound", forward, n_ranges)
+    if key not in meta._groups:
+        meta._groups[key] = warp_bounds(meta.padded_entries(forward, 1, fixed=True)[0], n_ranges)
     return meta._groups[key]
 
 
@@ -71,7 +87,10 @@ def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Ten
 
 
 def dw_table(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]:
-    """CTA table of the weight-gradient kernel: ``(cta [n_cta, 8], blk [n_blocks, 4], a_width, b_width)``.
+    """CTA table of the weight-gradient kernel: ``(cta [n_cta, 8], blk [n_blocks, 4], a_width, b_width)``, the CTA
+    rows followed by :func:`dw_room` empty ones (no blocks, no bias columns: such a CTA returns at once) that a
+    later topology may fill (:meth:`~.meta.BlockSparseMeta.rewrite_`). Cached on the metadata, with the number
+    of CTAs that hold work (:func:`dw_ctas_used`).
 
     Orientation: the narrower of X (``in_features``) and dY (``out_features``) is staged whole per token chunk;
     the blocks are walked in the order of the other one's block index (rows: CSR order, dY strips; columns:
@@ -83,6 +102,28 @@ def dw_table(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]
     key = ("bs_dw_table", with_bias, cap)
     if key in meta._groups:
         return meta._groups[key]
+    cta, blk, aw, bw = _dw_rows(meta, with_bias, cap)
+    used = cta.shape[0]
+    table = (torch.cat([cta, cta.new_zeros(dw_room(used), 8)]), blk, aw, bw)
+    meta._groups[key] = table
+    meta._groups[("bs_dw_used", with_bias, cap)] = used
+    return table
+
+
+def dw_room(n_cta: int) -> int:
+    """Empty CTA rows kept after a table of ``n_cta`` CTAs, for the topologies of later mask updates."""
+    return max(8, n_cta // 4)
+
+
+def dw_ctas_used(meta, with_bias: bool, cap: int) -> int:
+    """CTAs of ``dw_table(meta, with_bias, cap)`` that held work when it was built (the token split is chosen
+    for them)."""
+    dw_table(meta, with_bias, cap)
+    return meta._groups[("bs_dw_used", with_bias, cap)]
+
+
+def _dw_rows(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]:
+    """The CTA rows of :func:`dw_table` without its spare rows."""
     b, R, C = meta.block, meta.grid[0], meta.grid[1]
     rows_full_x = meta.in_features <= meta.out_features  # X staged whole, dY strips by block row
     if rows_full_x:
@@ -142,8 +183,35 @@ def dw_table(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]
     a_width = max((c[3] - c[2]) * b for c in ctas) if ctas else b
     b_width = max(((c[5] - c[4]) * b for c in ctas), default=b) or b
     dev = meta.device
-    table = (torch.tensor([[c[0], c[1], c[2] * b, (c[3] - c[2]) * b, c[4] * b, (c[5] - c[4]) * b, c[6] * b,
-                            c[7] * b] for c in ctas] or [[0] * 8], dtype=torch.int32, device=dev),
-             torch.tensor(blk or [[0, 0, 0, 0]], dtype=torch.int32, device=dev), a_width, b_width)
-    meta._groups[key] = table
-    return table
+    return (torch.tensor([[c[0], c[1], c[2] * b, (c[3] - c[2]) * b, c[4] * b, (c[5] - c[4]) * b, c[6] * b,
+                           c[7] * b] for c in ctas] or [[0] * 8], dtype=torch.int32, device=dev),
+            torch.tensor(blk or [[0, 0, 0, 0]], dtype=torch.int32, device=dev), a_width, b_width)
+
+
+def _refill_dw_table(new, key: tuple, value) -> list[tuple[Tensor, Tensor]] | None:
+    """The new topology's CTA rows in the kept table, if they fit: no more CTAs than its rows, staged ranges no
+    wider than the widths the plans launch with (wider rows than needed are fine: the kernel stages each CTA's
+    own columns)."""
+    cta, blk, aw, bw = value
+    fresh, fresh_blk, new_aw, new_bw = _dw_rows(new, key[1], key[2])
+    if fresh.shape[0] > cta.shape[0] or new_aw > aw or new_bw > bw or fresh_blk.shape != blk.shape:
+        return None
+    return [(cta, torch.cat([fresh, fresh.new_zeros(cta.shape[0] - fresh.shape[0], 8)])), (blk, fresh_blk)]
+
+
+def _same(build):
+    def rule(new, key: tuple, value):
+        fresh = build(new, *key[1:])
+        fresh = fresh if isinstance(fresh, tuple) else (fresh,)
+        value = value if isinstance(value, tuple) else (value,)
+        return [(a, b) for a, b in zip(value, fresh, strict=True) if isinstance(a, Tensor)]
+    return rule
+
+
+REFILL.update({
+    "bs_dds_info": _same(entry_info),
+    "bs_wbound": _same(warp_ranges),
+    "bs_ks": _same(ks_table),
+    "bs_dw_table": _refill_dw_table,
+    "bs_dw_used": lambda new, key, value: [],   # a tiling choice made for the first topology: kept
+})

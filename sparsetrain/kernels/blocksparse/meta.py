@@ -97,34 +97,27 @@ class BlockSparseMeta:
 
     def rewrite_(self, mask: Tensor) -> bool:
         """Install the topology of ``mask`` (a bool block mask with this one's grid and active count) in place:
-        the six index tensors, every derived entry list and so every kept launch plan keep their storage and
-        read the new topology, so kernels captured in a CUDA graph stay valid. Returns False, changing nothing,
-        where something kept on this metadata cannot follow in place (a plan of a backend whose launch depends
-        on the topology, e.g. the CUDA kernels' host-built tables); the caller then builds a new metadata."""
-        keys = list(self._groups)
-        if not all(_rewritable(k, self._groups[k]) for k in keys):
-            return False
+        the six index tensors, every derived list or table kept here and so every kept launch plan keep their
+        storage and read the new topology, so kernels captured in a CUDA graph stay valid. Each kept entry is
+        rebuilt for the new topology by its :data:`REFILL` rule first; where one cannot follow (no rule, a plan
+        that is not ``stable``, a table the new topology outgrows) nothing is changed and the result is False:
+        the caller then builds a new metadata."""
         new = BlockSparseMeta.from_mask(mask.to(self.device), (self.block_rows, self.block_cols))
         if new.grid != self.grid or new.n_blocks != self.n_blocks:
             raise ValueError(f"rewrite_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the new "
                              f"mask has grid {new.grid} and {new.n_blocks}")
+        copies = [(getattr(self, n), getattr(new, n)) for n in self.TENSORS]
+        for key, value in self._groups.items():
+            rule = REFILL.get(key[0] if isinstance(key, tuple) else key)
+            pairs = rule(new, key, value) if rule is not None else None
+            if pairs is None:
+                return False
+            copies += pairs
+        if any(dst.shape != src.shape for dst, src in copies):
+            return False
         with torch.no_grad():
-            for name in self.TENSORS:
-                getattr(self, name).copy_(getattr(new, name))
-            for key in keys:   # each derived list refilled from the same builder on the new topology
-                if key[0] == "dds":
-                    fresh = new.padded_entries(*key[1:])
-                elif key[0] == "dw":
-                    fresh = new.dw_groups(*key[1:])
-                elif key[0] == "span":
-                    fresh = new.span_entries(*key[1:])
-                elif key[0] == "block_index":   # the reference path's int64 copies of row_idx and col_idx
-                    fresh = (new.row_idx.long(), new.col_idx.long())
-                else:
-                    continue   # plans and calls read the lists refilled here; dw_used is a tiling choice
-                for mine, theirs in zip(self._groups[key], fresh, strict=True):
-                    if isinstance(mine, Tensor):
-                        mine.copy_(theirs)
+            for dst, src in copies:
+                dst.copy_(src)
         return True
 
     @property
@@ -269,12 +262,33 @@ class BlockSparseMeta:
         return self._groups[key]
 
 
-def _rewritable(key, value) -> bool:
-    """Whether the entry ``key: value`` of a metadata's cache follows :meth:`BlockSparseMeta.rewrite_`: entry lists
-    whose sizes depend only on the active count, and plans (or fast calls holding them) that say ``stable``."""
-    if key in ("plans", "calls"):
-        plans = value.values() if key == "plans" else (p for c in value.values() for p in (c.fwd, c.dx, *c.dw))
-        return all(p is None or getattr(p, "stable", False) for p in plans)
-    if not isinstance(key, tuple):
-        return False
-    return key[0] in ("dds", "dw") and key[-1] is True or key[0] in ("span", "block_index", "dw_used")
+def _same_builder(build):
+    """A :data:`REFILL` rule for a cached tuple that ``build(new_meta, *key[1:])`` makes again for the new
+    topology with the same sizes: its tensors pair up."""
+    def rule(new: BlockSparseMeta, key: tuple, value) -> list[tuple[Tensor, Tensor]]:
+        fresh = build(new, *key[1:])
+        return [(a, b) for a, b in zip(value, fresh, strict=True) if isinstance(a, Tensor)]
+    return rule
+
+
+def _stable_plans(new: BlockSparseMeta, key: str, value: dict) -> list | None:
+    """Kept plans (or fast calls holding them) follow where each says ``stable``: it reads only the index
+    tensors and the refilled lists, with a launch that depends on no topology."""
+    plans = value.values() if key == "plans" else (p for c in value.values() for p in (c.fwd, c.dx, *c.dw))
+    return [] if all(p is None or getattr(p, "stable", False) for p in plans) else None
+
+
+#: How each kind of entry kept in ``BlockSparseMeta._groups`` (its key, or its key's first item) follows
+#: :meth:`BlockSparseMeta.rewrite_`: ``rule(new_meta, key, value) -> [(kept tensor, its new content), ...]``, or
+#: None where it cannot. A backend that keeps a table of its own on the metadata registers a rule here.
+REFILL: dict[str, object] = {
+    "dds": lambda new, key, value: (_same_builder(BlockSparseMeta.padded_entries)(new, key, value)
+                                    if key[-1] is True else None),   # the exact lists' sizes vary
+    "dw": lambda new, key, value: (_same_builder(BlockSparseMeta.dw_groups)(new, key, value)
+                                   if key[-1] is True else None),
+    "dw_used": lambda new, key, value: [],   # a tiling choice made for the first topology: kept
+    "span": _same_builder(BlockSparseMeta.span_entries),
+    "block_index": lambda new, key, value: [(value[0], new.row_idx.long()), (value[1], new.col_idx.long())],
+    "plans": _stable_plans,
+    "calls": _stable_plans,
+}

@@ -128,10 +128,11 @@ class BlockFormat(WeightFormat):
 
     def set_mask(self, layer, new_mask, optimizer=None):
         """Rewrite the topology keeping the active count: surviving blocks and their optimizer moments
-        move to their new slots, newly active blocks start at zero with zeroed moments. The index buffers are
-        rewritten in place where every launch plan kept on them can follow (Triton gather, span and TMA plans,
-        the dense fallback, the reference path), so a CUDA graph of the training step stays valid; otherwise
-        (a CUDA-kernel plan: its tables are built on the host per topology) the layer gets new ones."""
+        move to their new slots, newly active blocks start at zero with zeroed moments. The index buffers, and
+        every entry list, kernel table and launch plan kept on them, are rewritten in place
+        (:meth:`~sparsetrain.kernels.blocksparse.BlockSparseMeta.rewrite_`), so a CUDA graph of the training step
+        stays valid; where the new topology does not fit a kept table (the CUDA weight-gradient kernel's CTAs)
+        the layer gets new buffers instead."""
         new_mask = new_mask.to(device=layer.mask.device, dtype=torch.bool)
         old_mask = layer.mask
         n_old, n_new = int(old_mask.sum()), int(new_mask.sum())
@@ -162,7 +163,7 @@ class BlockFormat(WeightFormat):
                     move(v)
             layer.mask.copy_(new_mask)
         meta = self.meta(layer)
-        if not meta.rewrite_(new_mask.to(meta.device)):   # in place where every kept plan can follow
+        if not meta.rewrite_(new_mask.to(meta.device)):   # in place where every kept table can follow
             self._install_meta(layer, self._build_meta(layer, new_mask, dev))
 
     def weight_parameter(self, layer):

@@ -13,9 +13,11 @@ from sparsetrain.kernels.blocksparse._cuda_tables import (
     entry_info,
     ks_table,
     warp_bounds,
+    warp_ranges,
 )
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
-from sparsetrain.kernels.blocksparse.reference import reference_grads
+from sparsetrain.kernels.blocksparse.op import block_sparse_linear
+from sparsetrain.kernels.blocksparse.reference import reference_grads, values_to_dense
 from sparsetrain.kernels.blocksparse.testing import forced_config
 
 
@@ -48,12 +50,15 @@ def test_cuda_dds_entry_info_and_warp_ranges():
 
     mask = torch.tensor([[1, 0, 1], [0, 0, 0], [0, 1, 1], [1, 1, 1]], dtype=torch.bool)
     meta = BlockSparseMeta.from_mask(mask, 16)
-    fwd = entry_info(meta, forward=True).tolist()
+    info = entry_info(meta, forward=True).tolist()
     # forward: per block row (output block), the active block columns; row 1 is empty -> one padding entry
-    assert fwd == [[0, 0, 0, 0], [256, 32, 0, 1], [-1, 0, 16, 1], [512, 16, 32, 0], [768, 32, 32, 1],
-                   [1024, 0, 48, 0], [1280, 16, 48, 0], [1536, 32, 48, 1]]
+    fwd = [[0, 0, 0, 0], [256, 32, 0, 1], [-1, 0, 16, 1], [512, 16, 32, 0], [768, 32, 32, 1],
+           [1024, 0, 48, 0], [1280, 16, 48, 0], [1536, 32, 48, 1]]
+    # then padding up to the entries any topology of 7 blocks over 4 output blocks needs (7 + 4): no warp range
+    # reaches it, and its output column (past the last block) leaves the last real entry the last of its block
+    assert info == fwd + [[-1, 0, 64, 0]] * 2 + [[-1, 0, 64, 1]]
     # input gradient: per block column, the block rows (transpose metadata), slots as stored
-    dx = entry_info(meta, forward=False).tolist()
+    dx = entry_info(meta, forward=False).tolist()[: int(meta.padded_entries(False, 1)[0][-1])]
     slots = {(r, c): s for s, (r, c) in enumerate(mask.nonzero().tolist())}
     expect = []
     for c in range(3):
@@ -239,3 +244,83 @@ def test_k_streamed_tables():
                             e += 1
                 assert e == wstart[w + 1]
             assert sorted(seen) == list(range(meta.n_blocks))
+
+
+def _cuda_tables(meta):
+    return {"info_f": entry_info(meta, True), "info_b": entry_info(meta, False),
+            "wb_f": warp_ranges(meta, True, 8), "wb_b": warp_ranges(meta, False, 5),
+            "ks": ks_table(meta, True, 4, 256), "dw": dw_table(meta, True, 128), "dw_x": dw_table(meta, False, 128)}
+
+
+def test_cuda_tables_follow_an_in_place_rewrite():
+    """The CUDA kernels' tables (plain torch, so here) are refilled by BlockSparseMeta.rewrite_: the very tensors
+    the plans launch with hold the new topology's tables (the CTA table with its spare rows empty), or, where the
+    new topology outgrows the CTA table, nothing changes and the caller builds new metadata."""
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.rand(48, 32, generator=gen) < 0.1
+    meta = BlockSparseMeta.from_mask(mask, 16)
+    kept = _cuda_tables(meta)
+    new = mask.flatten()[torch.randperm(mask.numel(), generator=gen)].view(mask.shape)
+    assert meta.rewrite_(new)
+    fresh = _cuda_tables(BlockSparseMeta.from_mask(new, 16))
+    for name in ("info_f", "info_b", "wb_f", "wb_b"):
+        assert torch.equal(kept[name], fresh[name]), name
+    for a, b in zip(kept["ks"], fresh["ks"]):
+        assert torch.equal(a, b) if torch.is_tensor(a) else a == b
+    for name in ("dw", "dw_x"):
+        (cta, blk, aw, bw), (fcta, fblk, faw, fbw) = kept[name], fresh[name]
+        used = int((fcta[:, 1] > 0).sum() + (fcta[:, 7] > fcta[:, 6]).logical_and(fcta[:, 1] == 0).sum())
+        assert torch.equal(blk, fblk) and faw <= aw and fbw <= bw
+        assert torch.equal(cta[:used], fcta[:used]) and not cta[used:].any()   # spare rows: no work
+    assert kept["dw"][0] is meta._groups[("bs_dw_table", True, 128)][0]
+
+    # a topology that needs wider staged strips than the table was built for: refused, nothing changed
+    narrow = torch.zeros(48, 32, dtype=torch.bool)
+    narrow.view(-1)[: int(mask.sum())] = True        # all blocks in the first 5 block rows: CTAs of 128 blocks
+    meta = BlockSparseMeta.from_mask(narrow, 16)
+    tables = _cuda_tables(meta)
+    assert tables["dw_x"][2] == 64                     # (4 rows, 64 dY columns; without bias no CTA stages more)
+    before = [t.clone() for t in (tables["dw_x"][0], tables["info_f"], *(getattr(meta, n) for n in meta.TENSORS))]
+    assert meta.rewrite_(mask) is False                # mask's blocks span every row: 512-column strips
+    after = [tables["dw_x"][0], tables["info_f"], *(getattr(meta, n) for n in meta.TENSORS)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ks", [False, True])
+def test_gpu_cuda_plans_follow_an_in_place_rewrite(ks, poison):
+    """The CUDA plans (X-stationary or K-streamed forward / dX, the weight gradient with its spare CTA rows)
+    kept on a metadata compute a new topology after BlockSparseMeta.rewrite_, with no plan rebuilt: what a CUDA
+    graph that launched them replays after a mask update."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O, b = (1600, 768) if ks else (768, 1024), 16
+    gen = torch.Generator().manual_seed(7)
+    mask = torch.rand(O // b, I // b, generator=gen) < 0.1
+    meta = BlockSparseMeta.from_mask(mask, b).to("cuda")
+    x = torch.randn(1037, I, device="cuda", dtype=torch.bfloat16)
+    probe = x if ks else torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
+    fwd = (_cuda.ks_candidates(probe, b, I) if ks else _cuda.candidates(probe, b, I))[0]
+    tiles = dict(fwd=fwd, dx=_cuda.candidates(torch.empty(1, O, device="cuda", dtype=torch.bfloat16), b, O)[0],
+                 dw=_cuda.DW_CANDIDATES[0])
+
+    def check() -> None:
+        values = (torch.randn(meta.n_blocks, b, b, device="cuda") / b).to(torch.bfloat16).requires_grad_()
+        xx = x.clone().requires_grad_()
+        bias = torch.randn(O, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = block_sparse_linear(xx, values, meta, bias)
+        dy = torch.randn_like(y)
+        y.backward(dy)
+        x32, v32 = xx.detach().float(), values.detach().float()
+        y_ref = x32 @ values_to_dense(v32, meta).t() + bias.detach().float()
+        dx, dv, db = reference_grads(x32, dy.float(), v32, meta)
+        for name, got, ref in (("y", y, y_ref), ("dx", xx.grad, dx), ("dv", values.grad, dv), ("db", bias.grad, db)):
+            assert rel(got, ref) < 1e-2, name
+
+    with forced_config(**tiles):
+        check()
+        kept = dict(meta._groups["plans"])
+        assert {type(p) for p in kept.values()} <= {_cuda.CudaDdsPlan, _cuda.CudaKsPlan, _cuda.CudaDwPlan}
+        new = mask.flatten()[torch.randperm(mask.numel(), generator=gen)].view(mask.shape)
+        assert meta.rewrite_(new.to("cuda"))
+        check()
+        assert all(meta._groups["plans"][k] is p for k, p in kept.items()) and len(meta._groups["plans"]) == len(kept)
