@@ -206,13 +206,15 @@ def read_run(run_dir: Path) -> dict:
     rate_key = "tokens_per_s" if summary.get("tokens_per_s") is not None else "samples_per_s"
     rows = read_metrics(run_dir)
     train = sorted((r for r in rows if rate_key in r and "event" not in r), key=lambda r: r["step"])
-    windows, prev_step, prev_s = [], 0, 0.0
+    windows, items, prev_step, prev_s = [], [], 0, 0.0
     for r in train:
         windows.append([r["step"], r["step"] - prev_step, r["elapsed_s"] - prev_s])
+        items.append(r[rate_key] * (r["elapsed_s"] - prev_s))
         prev_step, prev_s = r["step"], r["elapsed_s"]
     peaks = [r["peak_mem_gb"] for r in train if "peak_mem_gb" in r]
     return {"rate_key": rate_key, "rate": summary.get(rate_key), "peak_gb": max(peaks) if peaks else None,
-            "windows": windows, "updates": [r["step"] for r in rows if r.get("event") == "mask_update"],
+            "windows": windows, "window_items": items,
+            "updates": [r["step"] for r in rows if r.get("event") == "mask_update"],
             "flops_per_step": summary.get("flops_per_step_sparse"),   # what runs (dense: the dense count)
             **{k: summary.get(k) for k in ("step_mode", "graph_captures", "graph_replays", "eager_steps",
                                            "capture_s", "wall_s")}}
@@ -235,6 +237,30 @@ def update_cost(windows: list[list], updates: list[int]) -> dict | None:
     step_s = sum(sec for _, sec in clean) / sum(steps for steps, _ in clean)
     cost = sum(sec - steps * step_s for steps, sec, _ in hit) / sum(n for *_, n in hit)
     return {"update_s": cost, "clean_step_s": step_s, "update_windows": len(hit), "clean_windows": len(clean)}
+
+
+def _clean(windows: list[list], updates: list[int]) -> list[int]:
+    """Indices of the windows after the first (warm-up) that hold no mask update and neither of the two steps
+    after one (its eager step, its re-capture)."""
+    return [i for i, (end, steps, _) in enumerate(windows) if i > 0
+            and not any(end - steps < u + k <= end for u in updates for k in (0, 1, 2))]
+
+
+def steady_rate(run: dict, interval: float | None) -> dict | None:
+    """What a full-length run gets, from a short one (``read_run``'s output): the rate of its update-free
+    windows (:func:`_clean`) and, for a run with mask updates, that rate with one update's cost
+    (:func:`update_cost`) spread over ``interval`` steps (the recipe's own). None without a clean window."""
+    idx = _clean(run["windows"], run["updates"])
+    seconds = sum(run["windows"][i][2] for i in idx)
+    if not idx or seconds <= 0:
+        return None
+    clean = sum(run["window_items"][i] for i in idx) / seconds
+    out = {"clean_rate": clean, "rate_at_interval": clean, "interval": interval}
+    cost = update_cost(run["windows"], run["updates"]) if run["updates"] else None
+    if cost and interval:
+        out["update_s"] = cost["update_s"]
+        out["rate_at_interval"] = clean / (1 + cost["update_s"] / (interval * cost["clean_step_s"]))
+    return out
 
 
 def build_table(runs: list[dict], baseline: str = "dense", gemm_tflops: float | None = None) -> list[dict]:

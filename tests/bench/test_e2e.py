@@ -129,6 +129,22 @@ def test_table_ratios_and_update_cost(tmp_path):
     assert [ln.split()[:2] for ln in text.splitlines()[2:]][2] == ["static", "eager"]
 
 
+def test_steady_rate_takes_update_free_windows_and_spreads_updates_over_the_recipe_interval(tmp_path):
+    """A short run's update-heavy schedule does not set its throughput: the clean windows' rate, and that rate
+    with one update's cost spread over the recipe's own interval."""
+    # 1000 tokens per step (fake_run's items); update windows (2, 4, 5, 7) 0.5 s slower than the 1.0 s clean ones
+    run = e2e.read_run(fake_run(tmp_path / "dyn", [5.0, 1.5, 1.0, 1.5, 1.5, 1.0, 1.5, 1.0], updates=[16, 32, 48, 64]))
+    st = e2e.steady_rate(run, interval=625.0)
+    assert st["clean_rate"] == pytest.approx(10_000.0)         # windows 3, 6, 8: 10 steps of 1000 tokens per 1.0 s
+    assert st["update_s"] == pytest.approx(0.5)
+    assert st["rate_at_interval"] == pytest.approx(10_000.0 / (1 + 0.5 / (625 * 0.1)))
+    assert e2e.steady_rate(run, interval=None)["rate_at_interval"] == pytest.approx(10_000.0)
+    static = e2e.read_run(fake_run(tmp_path / "static", [5.0] + [2.0] * 7))
+    assert e2e.steady_rate(static, None) == {"clean_rate": pytest.approx(5000.0),
+                                             "rate_at_interval": pytest.approx(5000.0), "interval": None}
+    assert e2e.steady_rate(e2e.read_run(fake_run(tmp_path / "short", [5.0])), None) is None
+
+
 def test_update_cost_leaves_out_warmup_and_aftermath_windows():
     windows = [[10, 10, 9.0], [20, 10, 1.3], [30, 10, 1.2], [40, 10, 1.0], [50, 10, 1.0]]
     # update at 20 (end of window 2): its eager step and re-capture land in window 3, which counts for neither
