@@ -80,10 +80,30 @@ def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     restored when it ends.
     """
     previous = set_kernel_options(spec.train_args.kernels)
+    ended: list = []   # the run's Accelerator, handed back by a run that finished or stopped, for the teardown
     try:
-        return _train(spec, Path(run_dir))
+        summary = _train(spec, Path(run_dir), ended)
+    except RunStopped:
+        if ended:
+            _end(ended[0])
+        raise
     finally:
         set_kernel_options(previous)
+    if ended:
+        _end(ended[0])
+    return summary
+
+
+def _end(accelerator) -> None:
+    """The end of a run, once its step, model and optimizer are gone with ``_train``'s frame: what still refers to
+    them goes too (accelerate's lists, reference cycles), so a DDP reducer is not torn down after its process
+    group (gloo's was seen to hang there), then every rank meets and the process group goes."""
+    import gc
+
+    accelerator.free_memory()
+    gc.collect()
+    accelerator.wait_for_everyone()   # no rank tears the process group down while another still uses it
+    accelerator.end_training()
 
 
 def _prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict) -> None:
@@ -104,7 +124,7 @@ def _prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict) -> None:
     print(f"run directory: {run_dir}", flush=True)
 
 
-def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
+def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
     import logging
 
     from accelerate import Accelerator
@@ -384,8 +404,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
         if args.wandb:
             end_tracking(accelerator)
         run_step.invalidate()            # before the process group goes: NCCL waits for graphs holding its ops
-        accelerator.wait_for_everyone()
-        accelerator.end_training()
+        ended.append(accelerator)        # train() ends it once this frame's model and step are gone
         raise
     progress.close()
     logger.close()
@@ -416,8 +435,7 @@ def _train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     if args.wandb:
         end_tracking(accelerator)
     run_step.invalidate()            # before the process group goes: NCCL waits for graphs holding its ops
-    accelerator.wait_for_everyone()  # no rank tears the process group down while another still uses it
-    accelerator.end_training()
+    ended.append(accelerator)        # train() ends it once this frame's model and step are gone
     return summary
 
 

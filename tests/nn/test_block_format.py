@@ -465,6 +465,28 @@ def test_fast_call_under_autocast_matches_reference():
     assert len(BlockFormat.meta(layer)._groups["calls"]) == 1
 
 
+def test_the_custom_op_computes_the_new_topology_after_an_in_place_update():
+    """The compiled path finds a layer's metadata by its index tensors' addresses. If the op built a metadata of
+    its own over them (the registry's bound cleared it, say), an in-place mask update must still reach the op:
+    its tensors then lead to the rewritten metadata, not to the copy with the old entry lists."""
+    from sparsetrain.kernels.blocksparse import op
+
+    torch.manual_seed(0)
+    layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block")
+    meta, x = layer._bs_meta, torch.randn(7, 64)
+
+    def through_the_op() -> torch.Tensor:
+        return torch.ops.sparsetrain.block_sparse_linear(
+            x, layer.values.detach(), layer.bias.detach(), *(getattr(meta, n) for n in BlockSparseMeta.TENSORS),
+            96, 64, 16)
+
+    op._OP_METAS.clear()                      # the op builds its own metadata over the layer's tensors
+    torch.testing.assert_close(through_the_op(), x @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+    layer.set_mask(layer.mask.flatten()[torch.randperm(layer.mask.numel())].view_as(layer.mask))
+    assert layer._bs_meta is meta             # rewritten in place
+    torch.testing.assert_close(through_the_op(), x @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
+
+
 def test_mask_updates_do_not_pile_up_old_topologies_in_the_op_registry():
     """The custom ops find a layer's metadata by its tensors' addresses; a mask update replaces the entry instead
     of adding one, so old index tensors and their plans are freed (a BERT-base run makes ~11k of them)."""
@@ -475,9 +497,13 @@ def test_mask_updates_do_not_pile_up_old_topologies_in_the_op_registry():
     mine = lambda: [m for m in op._OP_METAS.values() if m is layer._bs_meta]  # noqa: E731
     before = len(op._OP_METAS)
     assert len(mine()) == 1
-    for _ in range(5):
+    for i in range(6):
+        if i % 2:   # a plan that cannot follow an in-place rewrite: the layer gets new tensors, re-registered
+            layer._bs_meta._groups.setdefault("plans", {})["not rewritable"] = object()
+        before_meta = layer._bs_meta
         mask = layer.mask.flatten()[torch.randperm(layer.mask.numel())].view_as(layer.mask)
         layer.set_mask(mask)
+        assert (layer._bs_meta is before_meta) == (i % 2 == 0)
         assert len(mine()) == 1
     assert len(op._OP_METAS) == before
     x = torch.randn(7, 64)

@@ -13,7 +13,7 @@ from sparsetrain.sparsity.schedulers import Dense, PruneRegrow, Static
 from sparsetrain.training import checkpoint as ckpt
 from sparsetrain.training.grad_sync import GradSync, _buckets, broadcast_from_rank0
 from sparsetrain.training.metrics import read_metrics
-from tests.training.test_ranks import _spawn
+from tests.training.test_ranks import _spawn, spawn_pair
 
 
 class _Branches(nn.Module):
@@ -152,9 +152,7 @@ def _loop_worker(rank: int, port: int, root: str, build, runs: list[tuple[str, s
 
 
 def _spawn_runs(root, build, runs) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_loop_worker, args=(_free_ports(len(runs)), str(root), build, runs), nprocs=2, join=True)
+    spawn_pair(_loop_worker, _free_ports(len(runs)), str(root), build, runs)
 
 
 def _free_ports(n: int) -> int:

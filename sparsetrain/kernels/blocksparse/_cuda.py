@@ -25,6 +25,7 @@ from sparsetrain.kernels.blocksparse._cuda_tables import (
     _cdiv,
     dw_ctas_used,
     dw_table,
+    dw_widths,
     entry_info,
     ks_table,
     warp_ranges,
@@ -210,7 +211,7 @@ def dw_candidates(x: Tensor, dy: Tensor, meta, with_bias: bool) -> list[CudaDwCo
     so = _dw_lib(x.device)
     if so is None:
         return []
-    _, _, aw, bw = dw_table(meta, with_bias, _dw_cap(so))
+    aw, bw = dw_widths(meta)   # the widths a plan launches with (no table built for a tile not chosen)
     limit = smem_optin(x.device)
     return [c for c in DW_CANDIDATES if 2 * 2 * c.tc * (aw + 8 + bw + 8) <= limit]
 

@@ -102,12 +102,22 @@ def dw_table(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]
     key = ("bs_dw_table", with_bias, cap)
     if key in meta._groups:
         return meta._groups[key]
-    cta, blk, aw, bw = _dw_rows(meta, with_bias, cap)
+    cta, blk, _, _ = _dw_rows(meta, with_bias, cap)
     used = cta.shape[0]
-    table = (torch.cat([cta, cta.new_zeros(dw_room(used), 8)]), blk, aw, bw)
+    table = (torch.cat([cta, cta.new_zeros(dw_room(used), 8)]), blk, *dw_widths(meta))
     meta._groups[key] = table
     meta._groups[("bs_dw_used", with_bias, cap)] = used
     return table
+
+
+def dw_widths(meta) -> tuple[int, int]:
+    """The staged widths ``(a_width, b_width)`` the weight-gradient kernel launches with: the widest any topology
+    of this grid can need (the strip side at most STRIP_BLOCKS blocks, the other side whole), so a mask update
+    never outgrows them. Its shared memory is ``2 * 2 * tc * (a_width + 8 + b_width + 8)`` bytes."""
+    b, (R, C) = meta.block_rows, meta.grid
+    if meta.in_features <= meta.out_features:   # X staged whole, dY strips by block row
+        return min(STRIP_BLOCKS, R) * b, C * b
+    return R * b, min(STRIP_BLOCKS, C) * b
 
 
 def dw_room(n_cta: int) -> int:
@@ -189,9 +199,8 @@ def _dw_rows(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]
 
 
 def _refill_dw_table(new, key: tuple, value) -> list[tuple[Tensor, Tensor]] | None:
-    """The new topology's CTA rows in the kept table, if they fit: no more CTAs than its rows, staged ranges no
-    wider than the widths the plans launch with (wider rows than needed are fine: the kernel stages each CTA's
-    own columns)."""
+    """The new topology's CTA rows in the kept table, if they fit: no more CTAs than its rows (the staged widths
+    are the largest any topology needs, :func:`dw_widths`)."""
     cta, blk, aw, bw = value
     fresh, fresh_blk, new_aw, new_bw = _dw_rows(new, key[1], key[2])
     if fresh.shape[0] > cta.shape[0] or new_aw > aw or new_bw > bw or fresh_blk.shape != blk.shape:

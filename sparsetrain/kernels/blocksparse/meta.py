@@ -118,6 +118,8 @@ class BlockSparseMeta:
         with torch.no_grad():
             for dst, src in copies:
                 dst.copy_(src)
+        for hook in REWRITTEN:
+            hook(self)
         return True
 
     @property
@@ -277,6 +279,10 @@ def _stable_plans(new: BlockSparseMeta, key: str, value: dict) -> list | None:
     plans = value.values() if key == "plans" else (p for c in value.values() for p in (c.fwd, c.dx, *c.dw))
     return [] if all(p is None or getattr(p, "stable", False) for p in plans) else None
 
+
+#: Called with a metadata after :meth:`BlockSparseMeta.rewrite_` changed its topology (e.g. the custom ops'
+#: registry, which finds a metadata by its tensors' addresses, makes sure those now lead to this one).
+REWRITTEN: list = []
 
 #: How each kind of entry kept in ``BlockSparseMeta._groups`` (its key, or its key's first item) follows
 #: :meth:`BlockSparseMeta.rewrite_`: ``rule(new_meta, key, value) -> [(kept tensor, its new content), ...]``, or

@@ -30,7 +30,7 @@ from torch import Tensor
 from sparsetrain.kernels._runtime.eager import eager_only
 from sparsetrain.kernels._runtime.options import IN_FORCE
 from sparsetrain.kernels.blocksparse import tuner
-from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+from sparsetrain.kernels.blocksparse.meta import REWRITTEN, BlockSparseMeta
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
 from sparsetrain.kernels.blocksparse.plans import dds_planned, run_dw, sampled_grad_planned
 from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
@@ -186,8 +186,10 @@ _compiler = torch.compiler
 # their plan caches). The metadata travels as its six index tensors; the BlockSparseMeta (with its derived
 # entry lists and launch plans) is looked up by their data pointers, so it is built once per topology. The
 # registry's metas hold their tensors, so no other tensor can be allocated at those addresses while an entry
-# lives: a pointer match is the same metadata (which BlockSparseMeta.rewrite_ may have given a new topology in
-# place, together with every list and plan it keeps).
+# lives: a pointer match is the same tensors. BlockSparseMeta.rewrite_ may give them a new topology in place,
+# together with the lists and plans kept on the metadata it was called on; another metadata the ops built over
+# the same tensors (after the registry's bound cleared it, say) keeps the old lists, so a rewrite makes its
+# tensors lead to the rewritten metadata (_follow_rewrite).
 _OP_METAS: dict[tuple, BlockSparseMeta] = {}
 OP_META_BUILDS = [0]  # how many metas the ops built (tests and benchmarks read it)
 
@@ -211,6 +213,15 @@ def register_meta(meta: BlockSparseMeta, replaces: BlockSparseMeta | None = None
     if len(_OP_METAS) >= 4096:
         _OP_METAS.clear()
     _OP_METAS[key] = meta
+
+
+def _follow_rewrite(meta: BlockSparseMeta) -> None:
+    key = _registry_key(meta)
+    if key in _OP_METAS:
+        _OP_METAS[key] = meta
+
+
+REWRITTEN.append(_follow_rewrite)
 
 
 def _meta_for(tensors: tuple[Tensor, ...], out_features: int, in_features: int, block: int) -> BlockSparseMeta:

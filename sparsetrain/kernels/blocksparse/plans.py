@@ -49,6 +49,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _chosen_plan(meta: BlockSparseMeta, kept: set, built: dict, cfg, p: Product):
+    """The plan of the chosen ``cfg``. Where timing built other candidates' plans, the lists and tables they left
+    on the metadata (every key added since ``kept``) go and the chosen plan is built again: a mask update
+    refills everything kept on the metadata (BlockSparseMeta.rewrite_), so what no plan reads would cost host
+    time at every update."""
+    if not any(c != cfg for c in built):
+        return built.get(cfg) or tuner.make_plan(cfg, p)
+    for k in set(meta._groups) - kept - {"plans", "calls"}:
+        del meta._groups[k]
+    return tuner.make_plan(cfg, p)
+
+
 def dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool) -> Tensor:
     """``a [T, K] · B`` with ``B = Wᵀ`` (forward, ``a = X``) or ``B = W`` (input gradient, ``a = dY``)."""
     return dds_planned(a, values, meta, bias, forward)[0]
@@ -87,8 +99,9 @@ def dds_planned(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor |
 
     key = (B, _pow2(T), meta.in_features if forward else meta.out_features, n_out * B,
            tuner.density_bucket(meta), a.dtype, values.dtype, has_bias)
+    kept = set(meta._groups)
     cfg = tuner.pick(p.kind, key, a.device, tuner.candidates(p), launch)
-    plan = built.get(cfg) or tuner.make_plan(cfg, p)
+    plan = _chosen_plan(meta, kept, built, cfg, p)
     plan(a, values, bias if has_bias else a, out)
     if not _may_cache(a.device):
         return out, None
@@ -123,8 +136,9 @@ def sampled_grad_planned(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias
 
         key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
                out_dtype, with_bias)
+        kept = set(meta._groups)
         cfg = tuner.pick("dw", key, dev, tuner.candidates(p), launch)
-        plan = built.get(cfg) or tuner.make_plan(cfg, p)
+        plan = _chosen_plan(meta, kept, built, cfg, p)
         if T > 0 and _may_cache(dev):
             _keep_plan(meta, pkey, plan)
         else:

@@ -9,7 +9,9 @@ from blocksparse_cases import check_dds_tiles, make_mask, rel
 from sparsetrain.kernels.blocksparse import _cuda, plans
 from sparsetrain.kernels.blocksparse._cuda_tables import (
     STRIP_BLOCKS,
+    dw_ctas_used,
     dw_table,
+    dw_widths,
     entry_info,
     ks_table,
     warp_bounds,
@@ -276,15 +278,21 @@ def test_cuda_tables_follow_an_in_place_rewrite():
         assert torch.equal(cta[:used], fcta[:used]) and not cta[used:].any()   # spare rows: no work
     assert kept["dw"][0] is meta._groups[("bs_dw_table", True, 128)][0]
 
-    # a topology that needs wider staged strips than the table was built for: refused, nothing changed
+    # a topology that needs more CTAs than the kept table has rows: refused, nothing changed. (The staged widths
+    # are the largest any topology needs, so only the rows can run out; here the spare rows are taken away.)
     narrow = torch.zeros(48, 32, dtype=torch.bool)
-    narrow.view(-1)[: int(mask.sum())] = True        # all blocks in the first 5 block rows: CTAs of 128 blocks
-    meta = BlockSparseMeta.from_mask(narrow, 16)
+    narrow.view(-1)[: int(mask.sum())] = True          # all blocks in the first 5 block rows
+    meta = BlockSparseMeta.from_mask(mask, 16)
     tables = _cuda_tables(meta)
-    assert tables["dw_x"][2] == 64                     # (4 rows, 64 dY columns; without bias no CTA stages more)
-    before = [t.clone() for t in (tables["dw_x"][0], tables["info_f"], *(getattr(meta, n) for n in meta.TENSORS))]
-    assert meta.rewrite_(mask) is False                # mask's blocks span every row: 512-column strips
-    after = [tables["dw_x"][0], tables["info_f"], *(getattr(meta, n) for n in meta.TENSORS)]
+    key, used = ("bs_dw_table", True, 128), dw_ctas_used(meta, True, 128)
+    cta, blk, aw, bw = tables["dw"]
+    assert (aw, bw) == dw_widths(meta) == (512, 512) and cta.shape[0] == used + max(8, used // 4)
+    meta._groups[key] = (cta[:used].clone(), blk, aw, bw)
+    needed = dw_ctas_used(BlockSparseMeta.from_mask(narrow, 16), True, 128)
+    assert needed > used                               # bias-only CTAs for the 43 empty rows
+    before = [t.clone() for t in (meta._groups[key][0], tables["info_f"], *(getattr(meta, n) for n in meta.TENSORS))]
+    assert meta.rewrite_(narrow) is False
+    after = [meta._groups[key][0], tables["info_f"], *(getattr(meta, n) for n in meta.TENSORS)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
@@ -295,7 +303,7 @@ def test_gpu_cuda_plans_follow_an_in_place_rewrite(ks, poison):
     kept on a metadata compute a new topology after BlockSparseMeta.rewrite_, with no plan rebuilt: what a CUDA
     graph that launched them replays after a mask update."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    I, O, b = (1600, 768) if ks else (768, 1024), 16
+    (I, O), b = ((1600, 768) if ks else (768, 1024)), 16
     gen = torch.Generator().manual_seed(7)
     mask = torch.rand(O // b, I // b, generator=gen) < 0.1
     meta = BlockSparseMeta.from_mask(mask, b).to("cuda")

@@ -183,3 +183,39 @@ def test_tma_descriptor_kind_follows_graph_capture(monkeypatch):
     assert not tma.host_desc(cuda) and not tma.host_desc(cpu)
     capturing[0] = True
     assert tma.host_desc(cuda) and not tma.host_desc(cpu)
+
+
+class _ListingConfig(NamedTuple):
+    """A losing candidate whose plan leaves a list of its own on the metadata."""
+
+
+def test_lists_of_candidates_not_chosen_leave_the_metadata(poison):
+    """Timing builds every candidate's plan; what the losers left on the metadata goes (an in-place mask update
+    would refill it at every update for nothing) and the winner's plan is built again with its own lists."""
+    from sparsetrain.kernels.blocksparse import plans
+
+    def listing_plan(cfg, p):
+        p.meta.padded_entries(True, 8, fixed=True)          # a list no other plan here uses
+        return _ReferenceDw(p, []) if p.kind == "dw" else _ReferenceDds(p, [])
+
+    register_backend(Backend("listing", (_ListingConfig,), lambda p: [_ListingConfig()], listing_plan))
+    try:
+        meta = BlockSparseMeta.from_mask(make_mask("random", (6, 4), torch.Generator().manual_seed(1)), 16)
+        x = torch.randn(37, 64)
+        values = torch.randn(meta.n_blocks, 16, 16)
+        def timer(slow):   # runs each candidate, as timing does: every candidate's plan is built
+            return lambda cfg, launch: (launch(), slow if isinstance(cfg, _ListingConfig) else 1.0)[1]
+
+        with use_timer(timer(2.0)):
+            y = plans.dds(x, values, meta, None, forward=True)
+        assert ("dds", True, 8, True) not in meta._groups   # the loser's list is gone
+        assert ("dds", True, INTERP_DDS[16].group_k, True) in meta._groups   # the winner's (gather) is there
+        kept = meta._groups["plans"]
+        assert len(kept) == 1 and type(next(iter(kept.values()))).__name__ == "TritonPlan"
+        assert rel(y, x.double() @ values_to_dense(values.double(), meta).t()) < 1e-5
+        with use_timer(timer(0.5)):
+            meta2 = BlockSparseMeta.from_mask(meta.row_ptr.new_ones(6, 4).bool(), 16)
+            plans.dds(torch.randn(37, 64), torch.randn(24, 16, 16), meta2, None, forward=True)
+        assert ("dds", True, 8, True) in meta2._groups      # the winner's list stays
+    finally:
+        unregister_backend("listing")

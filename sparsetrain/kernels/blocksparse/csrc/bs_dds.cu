@@ -160,7 +160,8 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
   const int e0 = a.wbound[wi], n_e = a.wbound[wi + 1] - e0;
   const int4 none = make_int4(-1, 0, 0, 0);
   // entry infos, 32 at a time (one per lane) into a 64-entry ring: batch m at slots (32 m) & 63
-  // lanes past the range read nothing: the last range ends at the table's end (lane < n_e, as in bs_dds_ks)
+  // lanes past the range read nothing (lane < n_e, as in bs_dds_ks): the last range ends at the last real entry,
+  // which the padding of the fixed-size table (room for in-place mask updates) may or may not follow
   int4 pre = lane < n_e ? __ldg(a.info + e0 + lane) : none;
   info_s[lane] = pre;
   pre = 32 + lane < n_e ? __ldg(a.info + e0 + 32 + lane) : none;  // batch 1: stored at q = 16
