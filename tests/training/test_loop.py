@@ -93,3 +93,35 @@ def test_summary_train_s_leaves_out_the_startup_window(tmp_path):
     steady = train_rows[-1]["elapsed_s"] - train_rows[0]["elapsed_s"]
     assert summary["train_s"] == train_seconds(rows, 6) == pytest.approx(steady / 4 * 6)
     assert 0 < summary["train_s"] and summary["device"] == "cpu"
+
+
+def test_the_run_is_torn_down_after_its_step_and_prepared_objects_are_gone(tmp_path, monkeypatch):
+    """A finished run ends its Accelerator (the process group with several processes) only once its training step
+    (with the CUDA graph and the prepared, e.g. DDP-wrapped, model it calls) is freed and accelerate holds none of
+    the prepared objects: a DDP reducer that outlived its gloo group was seen to hang in its destructor. (The
+    scheduler, which the caller's spec holds, keeps the unwrapped model; that holds no process group.)"""
+    import weakref
+
+    from accelerate import Accelerator
+
+    from sparsetrain.training import loop
+
+    seen, steps = {}, []
+    real_end, real_step = Accelerator.end_training, loop.TrainStep
+
+    def end_training(self):
+        seen["step_alive"] = any(ref() is not None for ref in steps)
+        seen["prepared"] = len(self._models) + len(self._optimizers)
+        return real_end(self)
+
+    def make_step(*a, **k):
+        step = real_step(*a, **k)
+        steps.append(weakref.ref(step))
+        return step
+
+    monkeypatch.setattr(Accelerator, "end_training", end_training)
+    monkeypatch.setattr(loop, "TrainStep", make_step)
+    args = TrainArgs(max_steps=2, batch_size=4, eval_every=0, log_every=1, device="cpu", progress=False,
+                     plot=False, recipe="plain", checkpoint_every=0)
+    train(_spec(Static(), args), tmp_path / "run")
+    assert steps and seen == {"step_alive": False, "prepared": 0}
