@@ -8,8 +8,11 @@ The values live in ``values [n_blocks, b, b]``, the active blocks in row-major b
   each entry naming its block row and its slot in ``values`` (input gradient ``dX = dY·W`` without a
   transposed copy of the values).
 
-It is rebuilt from the layer's bool block mask ``[O/b, I/b]`` only when the topology changes; everything
-derived from it (entry lists, CUDA tables, launch plans) is cached on it and dropped with it.
+It is built from the layer's bool block mask ``[O/b, I/b]``; everything derived from it (entry lists, CUDA tables,
+launch plans) is cached on it. A new topology of the same active count is written into it in place
+(:meth:`BlockSparseMeta.rewrite_`: the index tensors, and every derived list and table, refilled by the rules in
+:data:`REFILL`), so launch plans and CUDA graphs that read them stay valid; otherwise a new metadata is built
+and what was cached goes with the old one.
 
 >>> import torch
 >>> meta = BlockSparseMeta.from_mask(torch.tensor([[True, False], [True, True]]), 16)
