@@ -35,7 +35,7 @@ from torch import Tensor
 from sparsetrain.kernels._runtime import tuning_cache
 from sparsetrain.kernels._runtime.options import IN_FORCE, kernel_options
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
-from sparsetrain.kernels.blocksparse.testing import HOOKS
+from sparsetrain.kernels.blocksparse.testing import HOOKS, poison_outputs
 
 KINDS = ("fwd", "dx", "dw")
 
@@ -237,13 +237,7 @@ def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: C
         if hit is not None and any(type(c) is type(hit[0]) and c == hit[0] for c in cands):
             _TUNED[full], _TIMED[full] = hit
             return hit[0]
-    timer = timer or _do_bench
-    timed = []
-    for cfg in cands:
-        try:
-            timed.append((cfg, timer(cfg, lambda c=cfg: launch(c))))
-        except Exception:  # noqa: BLE001, S112 - e.g. out of shared memory for this tile: try the next
-            continue
+    timed = time_candidates(kind, key, cands, launch, timer or _do_bench, check=timer is None)
     if not timed:
         raise RuntimeError(f"no {kind} kernel configuration could run for {key}")
     best = choose(timed)
@@ -251,6 +245,54 @@ def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: C
     if disk_key:
         kept.store(disk_key, best, timed, _config_types())
     return best
+
+
+#: Largest relative difference (Frobenius) between a candidate's result and the first candidate's that still
+#: counts as the same product: kernels differ in summation order and in where they round to 16 bits.
+AGREE_REL = 5e-2
+
+
+def time_candidates(kind: str, key: tuple, cands: Sequence, launch: Callable[[object], object],
+                    timer: Callable[[object, Callable[[], object]], float], check: bool = True) -> list:
+    """``[(config, ms), ...]`` of the candidates that ran. With ``check`` each candidate's result (its outputs
+    NaN-filled before the launch) is first set against that of the first one that ran, and one that disagrees (beyond :data:`AGREE_REL`) is not timed, so it
+    can never be chosen, and is named in a warning: timing alone cannot tell a fast wrong kernel from a fast
+    right one."""
+    timed, reference = [], None
+    for cfg in cands:
+        try:
+            if check:
+                with poison_outputs():   # outputs NaN-filled first: an element a candidate fails to write shows
+                    result = _floats(launch(cfg))
+                if reference is None:
+                    reference = (cfg, result)
+                elif (err := _disagreement(result, reference[1])) > AGREE_REL:
+                    import warnings
+
+                    warnings.warn(f"sparsetrain: the {kind} candidate {cfg!r} disagrees with {reference[0]!r} at "
+                                  f"{key} (relative difference {err:.3g}); it is left out", stacklevel=3)
+                    continue
+            timed.append((cfg, timer(cfg, lambda c=cfg: launch(c))))
+        except Exception:  # noqa: BLE001, S112 - e.g. out of shared memory for this tile: try the next
+            continue
+    return timed
+
+
+def _floats(result) -> list:
+    """A launch's result as float32 copies (the forward and dX reuse one output buffer across candidates)."""
+    parts = result if isinstance(result, tuple) else (result,)
+    return [None if t is None else t.detach().float().clone() for t in parts]
+
+
+def _disagreement(a: list, b: list) -> float:
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            continue
+        scale = float(y.norm()) or 1.0
+        diff = float((x - y).norm())
+        worst = max(worst, diff / scale if diff == diff else float("inf"))   # NaN: no agreement
+    return worst
 
 
 def choose(timed: Sequence[tuple[object, float]], margin: float | None = None):

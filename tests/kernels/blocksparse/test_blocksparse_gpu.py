@@ -281,3 +281,40 @@ def test_gpu_dense_fallback_candidate(dtype, b, poison):
     assert dv.dtype == torch.float32
     assert rel(dv, dv_ref) < (1e-4 if plan.f32_out else 1e-2) and rel(db, db_ref) < 1e-4
 
+
+
+class _WrongConfig(tuple):
+    """A candidate whose plan writes zeros: the fastest there is, and wrong."""
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_never_chooses_a_fast_wrong_candidate():
+    """Tuning on the GPU times every candidate; one whose result disagrees with the first candidate's is left out
+    (with a warning) however fast it is, and the layer computes the right product."""
+    import warnings
+
+    class Zeros:
+        out_width = 0
+
+        def __init__(self, p):
+            self.out_width = (p.meta.grid[0] if p.forward else p.meta.grid[1]) * p.meta.block
+
+        def __call__(self, a, values, bias, out):
+            out.zero_()
+
+    tuner.register_backend(tuner.Backend("wrong", (_WrongConfig,), lambda p: [] if p.kind == "dw" else [_WrongConfig()],
+                                         lambda cfg, p: Zeros(p)))
+    try:
+        gen = torch.Generator().manual_seed(3)
+        meta = BlockSparseMeta.from_mask(torch.rand(64, 16, generator=gen) < 0.1, 16).to("cuda")
+        x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+        values = torch.randn(meta.n_blocks, 16, 16, device="cuda", dtype=torch.bfloat16) / 4
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y = plans.dds(x, values, meta, None, forward=True)
+        chosen = [v for k, v in tuner.tuned_configs().items() if "'fwd'" in k]
+        assert chosen and not any("_WrongConfig" in c for c in chosen)
+        assert any("disagrees" in str(w.message) for w in caught)
+        assert rel(y, x.float() @ values_to_dense(values.float(), meta).t()) < 1e-2
+    finally:
+        tuner.unregister_backend("wrong")

@@ -219,3 +219,31 @@ def test_lists_of_candidates_not_chosen_leave_the_metadata(poison):
         assert ("dds", True, 8, True) in meta2._groups      # the winner's list stays
     finally:
         unregister_backend("listing")
+
+
+def test_a_candidate_whose_result_disagrees_is_never_chosen():
+    """Tuning times candidates for speed only; a fast candidate whose result differs from the first candidate's
+    (a wrong product, or outputs it leaves unwritten: they are NaN-filled first) is left out, with a warning."""
+    from sparsetrain.kernels.blocksparse.testing import HOOKS
+
+    ref, out = torch.randn(8, 8), torch.empty(8, 8)
+
+    def launch(cfg):
+        if HOOKS.poison:
+            out.fill_(float("nan"))
+        if cfg in ("right", "close"):
+            out.copy_(ref * (1.001 if cfg == "close" else 1.0))   # summation order, rounding: the same product
+        elif cfg == "wrong":
+            out.copy_(ref.flip(0))
+        else:                                                    # "partial": half the output never written
+            out[:4] = ref[:4]
+        return out, None
+
+    ms = {"right": 2.0, "close": 3.0, "wrong": 1.0, "partial": 0.5}
+    timer = lambda cfg, run: (run(), ms[cfg])[1]   # noqa: E731
+    cands = ["right", "wrong", "close", "partial"]
+    with pytest.warns(UserWarning) as caught:
+        timed = tuner.time_candidates("fwd", ("k",), cands, launch, timer)
+    assert timed == [("right", 2.0), ("close", 3.0)]
+    assert sorted(str(w.message).split("'")[1] for w in caught) == ["partial", "wrong"]
+    assert [c for c, _ in tuner.time_candidates("fwd", ("k",), cands, launch, timer, check=False)] == cands
