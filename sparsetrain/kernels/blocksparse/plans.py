@@ -54,8 +54,9 @@ def _chosen_plan(meta: BlockSparseMeta, kept: set, built: dict, cfg, p: Product)
     on the metadata (every key added since ``kept``) go and the chosen plan is built again: a mask update
     refills everything kept on the metadata (BlockSparseMeta.rewrite_), so what no plan reads would cost host
     time at every update."""
-    if not any(c != cfg for c in built):
-        return built.get(cfg) or tuner.make_plan(cfg, p)
+    chosen = (type(cfg), cfg)
+    if not any(k != chosen for k in built):
+        return built.get(chosen) or tuner.make_plan(cfg, p)
     for k in set(meta._groups) - kept - {"plans", "calls"}:
         del meta._groups[k]
     return tuner.make_plan(cfg, p)
@@ -89,14 +90,15 @@ def dds_planned(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor |
     if T == 0:
         return out, None
     p = Product("fwd" if forward else "dx", meta, a, values, has_bias)
-    built: dict = {}  # one plan per candidate while tuning (timing must not include building it)
+    built: dict = {}  # one plan per candidate while tuning, by (config type, config): timing excludes building
 
     def launch(cfg) -> Tensor:
-        if cfg not in built:
-            built[cfg] = tuner.make_plan(cfg, p)
+        k = (type(cfg), cfg)   # configs are tuples: two backends' could be equal
+        if k not in built:
+            built[k] = tuner.make_plan(cfg, p)
         if HOOKS.poison:   # one output buffer for every candidate: the tuner's check poisons it first
             out.fill_(float("nan"))
-        built[cfg](a, values, bias if has_bias else a, out)
+        built[k](a, values, bias if has_bias else a, out)
         return out
 
     key = (B, _pow2(T), meta.in_features if forward else meta.out_features, n_out * B,
@@ -132,9 +134,10 @@ def sampled_grad_planned(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias
         built: dict = {}
 
         def launch(cfg) -> tuple[Tensor, Tensor | None]:
-            if cfg not in built:
-                built[cfg] = tuner.make_plan(cfg, p)
-            return run_dw(built[cfg], x, dy, meta, with_bias, out_dtype)
+            k = (type(cfg), cfg)
+            if k not in built:
+                built[k] = tuner.make_plan(cfg, p)
+            return run_dw(built[k], x, dy, meta, with_bias, out_dtype)
 
         key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
                out_dtype, with_bias)

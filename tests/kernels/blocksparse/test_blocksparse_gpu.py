@@ -2,6 +2,8 @@
 wide and TMA tile, cached plans, direct launches vs the dispatcher, CUDA-graph capture, the dense fallback."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from blocksparse_cases import check_dds_tiles, make_mask, rel
@@ -283,8 +285,10 @@ def test_gpu_dense_fallback_candidate(dtype, b, poison):
 
 
 
-class _WrongConfig(tuple):
+class _WrongConfig(NamedTuple):
     """A candidate whose plan writes zeros: the fastest there is, and wrong."""
+
+    zeros: bool = True
 
 
 @pytest.mark.gpu
