@@ -3,7 +3,7 @@
 
 The gather kernels give a program one ``B``-wide output column block, so at ``B = 16`` every tile of ``A`` read
 from L2 feeds a ``[BLOCK_T, 16]`` product: the tensor cores see N = 16, and an ``A`` column block is read
-once per output block that uses it (docs/history/blocksparse.md, round 9, counts the L2 bytes this costs).
+once per output block that uses it, so the L2 traffic, not the tensor cores, bounds those kernels at 10%.
 Here a program owns ``span`` consecutive output blocks, walks the union of the input blocks they use, reads
 each ``A`` tile there once for all of them and multiplies it by the ``[B, span * B]`` strip of the weight,
 inactive blocks as zeros. At density 0.1 a span of 4 visits 34% of the input blocks (1 - 0.9^4) and so
