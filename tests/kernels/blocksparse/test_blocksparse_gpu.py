@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from blocksparse_cases import check_dds_tiles, make_mask, rel
+from blocksparse_cases import check_dds_tiles, check_fwd_bwd, make_mask, rel
 
 from sparsetrain.kernels import use_kernel_options
 from sparsetrain.kernels.blocksparse import dense, gather, plans, span, tma, tuner
@@ -16,18 +16,6 @@ from sparsetrain.kernels.blocksparse.op import block_sparse_linear
 from sparsetrain.kernels.blocksparse.reference import dense_to_values, reference_grads, values_to_dense
 from sparsetrain.kernels.blocksparse.testing import forced_config
 from sparsetrain.kernels.blocksparse.tuner import Product
-
-
-def _check_fwd_bwd(x, values, bias, meta) -> None:
-    """One fwd+bwd of ``block_sparse_linear`` against the float32 reference (output and the three gradients)."""
-    y = block_sparse_linear(x, values, meta, bias)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    x32, v32 = x.detach().float(), values.detach().float()
-    y_ref = x32 @ values_to_dense(v32, meta).t() + bias.detach().float()
-    dx, dv, db = reference_grads(x32, dy.float(), v32, meta)
-    for got, ref in ((y, y_ref), (x.grad, dx), (values.grad, dv), (bias.grad, db)):
-        assert rel(got, ref) < 1e-2
 
 
 @pytest.mark.gpu
@@ -44,7 +32,7 @@ def test_gpu_real_shapes(dtype, b, I, O, poison, no_tuning):
     x = torch.randn(T, I, device="cuda", dtype=dtype, requires_grad=True)
     values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=dtype) / b**0.5).requires_grad_()
     bias = torch.randn(O, device="cuda", dtype=dtype, requires_grad=True)
-    _check_fwd_bwd(x, values, bias, meta)
+    check_fwd_bwd(x, values, bias, meta)
 
 
 @pytest.mark.gpu
@@ -164,7 +152,7 @@ def test_gpu_cached_plans_repeated_calls(dtype, b, poison, no_tuning):
         x = (buf[1:] if misaligned else buf[:-1]).view(T, I).detach().requires_grad_()
         values = (torch.randn(meta.n_blocks, b, b, device="cuda", dtype=dtype) / b**0.5).requires_grad_()
         bias = torch.randn(O, device="cuda", dtype=dtype, requires_grad=True)
-        _check_fwd_bwd(x, values, bias, meta)
+        check_fwd_bwd(x, values, bias, meta)
     assert len(meta._groups["plans"]) == 3 * 2  # fwd, dx, dw at each of the two token counts
 
 
