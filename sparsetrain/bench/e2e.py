@@ -224,14 +224,9 @@ def update_cost(windows: list[list], updates: list[int]) -> dict | None:
     """Seconds one mask update adds, from window times: Σ over windows holding updates of (window seconds −
     its steps × the mean step time of update-free windows) / updates in them. Window 1 (warm-up) is left out,
     and so is a window that holds only the two steps after an update (its eager step, its re-capture)."""
-    spans = [(end - steps, end, steps, sec) for end, steps, sec in windows[1:]]
-    hit, clean = [], []
-    for lo, hi, steps, sec in spans:
-        n = sum(lo < u <= hi for u in updates)
-        if n:
-            hit.append((steps, sec, n))
-        elif not any(lo < u + k <= hi for u in updates for k in (1, 2)):
-            clean.append((steps, sec))
+    hit = [(steps, sec, n) for end, steps, sec in windows[1:]
+           if (n := sum(end - steps < u <= end for u in updates))]
+    clean = [windows[i][1:] for i in _clean(windows, updates)]
     if not hit or not clean:
         return None
     step_s = sum(sec for _, sec in clean) / sum(steps for steps, _ in clean)

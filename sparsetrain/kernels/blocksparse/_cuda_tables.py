@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels.blocksparse.meta import REFILL
+from sparsetrain.kernels.blocksparse.meta import REFILL, keep_as_is, same_builder
 
 STRIP_BLOCKS = 32  # widest column strip a CTA of the weight-gradient kernel stages of its strip operand (blocks)
 
@@ -208,19 +208,10 @@ def _refill_dw_table(new, key: tuple, value) -> list[tuple[Tensor, Tensor]] | No
     return [(cta, torch.cat([fresh, fresh.new_zeros(cta.shape[0] - fresh.shape[0], 8)])), (blk, fresh_blk)]
 
 
-def _same(build):
-    def rule(new, key: tuple, value):
-        fresh = build(new, *key[1:])
-        fresh = fresh if isinstance(fresh, tuple) else (fresh,)
-        value = value if isinstance(value, tuple) else (value,)
-        return [(a, b) for a, b in zip(value, fresh, strict=True) if isinstance(a, Tensor)]
-    return rule
-
-
 REFILL.update({
-    "bs_dds_info": _same(entry_info),
-    "bs_wbound": _same(warp_ranges),
-    "bs_ks": _same(ks_table),
+    "bs_dds_info": same_builder(entry_info),
+    "bs_wbound": same_builder(warp_ranges),
+    "bs_ks": same_builder(ks_table),
     "bs_dw_table": _refill_dw_table,
-    "bs_dw_used": lambda new, key, value: [],   # a tiling choice made for the first topology: kept
+    "bs_dw_used": keep_as_is,
 })

@@ -267,13 +267,19 @@ class BlockSparseMeta:
         return self._groups[key]
 
 
-def _same_builder(build):
-    """A :data:`REFILL` rule for a cached tuple that ``build(new_meta, *key[1:])`` makes again for the new
-    topology with the same sizes: its tensors pair up."""
+def same_builder(build):
+    """A :data:`REFILL` rule for a cached tensor or tuple that ``build(new_meta, *key[1:])`` makes again for the
+    new topology with the same sizes: its tensors pair up."""
     def rule(new: BlockSparseMeta, key: tuple, value) -> list[tuple[Tensor, Tensor]]:
         fresh = build(new, *key[1:])
+        fresh, value = ((x,) if isinstance(x, Tensor) else x for x in (fresh, value))
         return [(a, b) for a, b in zip(value, fresh, strict=True) if isinstance(a, Tensor)]
     return rule
+
+
+def keep_as_is(new: BlockSparseMeta, key, value) -> list:
+    """A :data:`REFILL` rule for a value kept as it is (a tiling choice made for the first topology)."""
+    return []
 
 
 def _stable_plans(new: BlockSparseMeta, key: str, value: dict) -> list | None:
@@ -291,12 +297,12 @@ REWRITTEN: list = []
 #: :meth:`BlockSparseMeta.rewrite_`: ``rule(new_meta, key, value) -> [(kept tensor, its new content), ...]``, or
 #: None where it cannot. A backend that keeps a table of its own on the metadata registers a rule here.
 REFILL: dict[str, object] = {
-    "dds": lambda new, key, value: (_same_builder(BlockSparseMeta.padded_entries)(new, key, value)
+    "dds": lambda new, key, value: (same_builder(BlockSparseMeta.padded_entries)(new, key, value)
                                     if key[-1] is True else None),   # the exact lists' sizes vary
-    "dw": lambda new, key, value: (_same_builder(BlockSparseMeta.dw_groups)(new, key, value)
+    "dw": lambda new, key, value: (same_builder(BlockSparseMeta.dw_groups)(new, key, value)
                                    if key[-1] is True else None),
-    "dw_used": lambda new, key, value: [],   # a tiling choice made for the first topology: kept
-    "span": _same_builder(BlockSparseMeta.span_entries),
+    "dw_used": keep_as_is,
+    "span": same_builder(BlockSparseMeta.span_entries),
     "block_index": lambda new, key, value: [(value[0], new.row_idx.long()), (value[1], new.col_idx.long())],
     "plans": _stable_plans,
     "calls": _stable_plans,
