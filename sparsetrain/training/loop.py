@@ -97,13 +97,20 @@ def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
 def _end(accelerator) -> None:
     """The end of a run, once its step, model and optimizer are gone with ``_train``'s frame: what still refers to
     them goes too (accelerate's lists, reference cycles), so a DDP reducer is not torn down after its process
-    group (gloo's was seen to hang there), then every rank meets and the process group goes."""
+    group (gloo's was seen to hang there), then every rank meets, the process group goes, and accelerate's
+    process-wide state with it."""
     import gc
 
     accelerator.free_memory()
     gc.collect()
     accelerator.wait_for_everyone()   # no rank tears the process group down while another still uses it
     accelerator.end_training()
+    # accelerate keeps one process-wide state (mixed precision, the process group just destroyed): the next run in
+    # this process (a Hydra sweep's next job, a test) starts its own, e.g. with another precision.
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
 
 
 def _prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict) -> None:

@@ -125,3 +125,17 @@ def test_the_run_is_torn_down_after_its_step_and_prepared_objects_are_gone(tmp_p
                      plot=False, recipe="plain", checkpoint_every=0)
     train(_spec(Static(), args), tmp_path / "run")
     assert steps and seen == {"step_alive": False, "prepared": 0}
+
+
+def test_runs_in_one_process_may_use_different_precisions(tmp_path):
+    """accelerate's state is process-wide: a Hydra sweep's jobs (or tests) run one after another in one process,
+    and a later job's mixed precision must not be refused because an earlier job set another."""
+    from accelerate.state import AcceleratorState
+
+    done = []
+    for precision in ("no", "bf16", "no"):
+        args = TrainArgs(max_steps=1, batch_size=4, eval_every=0, log_every=1, device="cpu", progress=False,
+                         plot=False, recipe="plain", checkpoint_every=0, mixed_precision=precision)
+        done.append(train(_spec(Static(), args), tmp_path / f"run_{len(done)}_{precision}")["steps"])
+        assert not AcceleratorState._shared_state   # the run took its state with it
+    assert done == [1, 1, 1]
