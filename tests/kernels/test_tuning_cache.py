@@ -19,7 +19,6 @@ from sparsetrain.kernels.blocksparse import Backend, plans, register_backend, tu
 from sparsetrain.kernels.blocksparse._cuda import CudaDdsConfig, CudaDwConfig, CudaKsConfig
 from sparsetrain.kernels.blocksparse.dense import DenseConfig
 from sparsetrain.kernels.blocksparse.gather import DdsConfig, DwConfig
-from sparsetrain.kernels.blocksparse.span import SpanConfig
 from sparsetrain.kernels.blocksparse.testing import forced_config, untuned, use_timer
 from sparsetrain.kernels.blocksparse.tma import TmaDdsConfig, TmaDwConfig
 
@@ -63,7 +62,7 @@ def test_every_registered_backends_config_type_round_trips():
     comes back equal and of its own class, through the file."""
     configs = [CudaDdsConfig(8, 2, 1), CudaKsConfig(2), CudaDwConfig(16), TmaDdsConfig(64, 4, 3, True),
                TmaDwConfig(128, 8, 3, 2), DdsConfig(32, 2, 4, 8, 3, ".ca", True), DwConfig(8, 64, 4, 4),
-               DenseConfig(), SpanConfig(64, 8, 2, 4, 4)]
+               DenseConfig()]
     types = tuner._config_types()
     assert {type(c) for c in configs} == set(types)  # a new config class needs a line here
     kept = ChoiceFile(Path(tuning_cache.cache_root()) / "f.json")
@@ -344,6 +343,34 @@ def test_the_hooks_and_the_option_keep_the_disk_out(gpu):
     assert gpu.files()[0].read_text() == kept and len(gpu.files()) == 1
     gpu.restart()
     assert gpu.pick() == CANDS[1] and gpu.timed == []
+
+
+def test_an_entry_of_a_removed_backend_is_timed_again(gpu):
+    """A file of an older version may name a config class no backend registers now (the span backend's
+    SpanConfig, removed): such an entry is skipped without a warning (no class is looked up by its name outside
+    the registered ones), timed again and replaced."""
+    gpu.pick()
+    gpu.pick("dx")
+    path = gpu.files()[0]
+    data = json.loads(path.read_text())
+    gone = {"backend": "span", "type": "SpanConfig",
+            "fields": {"block_t": 64, "span": 8, "group_k": 2, "num_warps": 4, "num_stages": 4}}
+    for key, entry in data["choices"].items():
+        if json.loads(key)[0] == "fwd":    # the chosen config is the removed one
+            entry["config"], entry["timed"] = gone, [[gone, 0.1], *entry["timed"]]
+        else:                              # only among the timed ones
+            entry["timed"].append([gone, 0.1])
+    path.write_text(json.dumps(data))
+    types = tuner._config_types()
+    assert all(ChoiceFile(path).lookup(k, types) is None for k in data["choices"])
+    assert decode_config({**gone, "backend": "dense", "type": "eval"}, types) is None
+    gpu.restart()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gpu.pick() == CANDS[1] and gpu.pick("dx") == CANDS[1] and gpu.timed == CANDS + CANDS
+    assert "SpanConfig" not in path.read_text()
+    gpu.restart()
+    assert gpu.pick() == CANDS[1] and gpu.pick("dx") == CANDS[1] and gpu.timed == []
 
 
 def test_a_corrupt_cache_is_timed_over_and_replaced(gpu):

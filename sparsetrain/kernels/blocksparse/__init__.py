@@ -4,7 +4,7 @@
 - :mod:`.op`: :func:`block_sparse_linear` (autograd function, ``torch.library`` ops for ``torch.compile``);
 - :mod:`.plans`: the three products as cached launch plans; :mod:`.tuner`: backends and the per-shape choice
   among their candidates (:func:`register_backend` adds one);
-- backends: :mod:`.gather`, :mod:`.span` and :mod:`.tma` (Triton, kernels in :mod:`._triton`), :mod:`._cuda` (``csrc/``),
+- backends: :mod:`.gather` and :mod:`.tma` (Triton, kernels in :mod:`._triton`), :mod:`._cuda` (``csrc/``),
   :mod:`.dense` (the cuBLAS fallback);
 - :mod:`.reference`: the plain-torch reference; :mod:`.testing`: hooks for tests and benchmarks.
 

@@ -201,42 +201,6 @@ class BlockSparseMeta:
         self.dw_groups(group, fixed=True)
         return self._groups[("dw_used", group)]
 
-    def span_entries(self, forward: bool, span: int, group_k: int) -> tuple[Tensor, Tensor, Tensor, int]:
-        """Entry lists of the span kernel, whose programs own ``span`` consecutive output column blocks: per
-        group of them, the input blocks any of them uses (ascending), padded to a multiple of ``group_k``, and
-        for each entry the slot of each output block's block there: ``(gptr [n_groups+1], kidx, slots
-        [n_entries, span] (-1: inactive or padding), n_groups)``. Forward: output blocks are block rows of W;
-        input gradient: block columns. A group whose blocks are all empty has no entries. Allocated at the
-        largest size any topology of this active count needs (``n_blocks + n_groups * (group_k - 1)``; the tail
-        past ``gptr[-1]`` is padding), so :meth:`rewrite_` can refill them in place. Cached per
-        ``(forward, span, group_k)``."""
-        key = ("span", forward, span, group_k)
-        if key not in self._groups:
-            R, C = self.grid
-            dev = self.device
-            slot_of = torch.full((R, C), -1, dtype=torch.long, device=dev)
-            slot_of[self.row_idx.long(), self.col_idx.long()] = torch.arange(self.n_blocks, device=dev)
-            grid = slot_of if forward else slot_of.t()          # [output blocks, input blocks]
-            n_out, n_in = grid.shape
-            n_groups = -(-n_out // span)
-            padded_grid = torch.cat([grid, grid.new_full((n_groups * span - n_out, n_in), -1)])
-            per_group = padded_grid.view(n_groups, span, n_in).transpose(1, 2)   # [group, input block, span]
-            used = (per_group >= 0).any(2)
-            counts = used.sum(1)
-            padded = (counts + group_k - 1) // group_k * group_k
-            gptr = torch.zeros(n_groups + 1, dtype=torch.long, device=dev)
-            gptr[1:] = padded.cumsum(0)
-            gi, ki = used.nonzero(as_tuple=True)                # by group, input blocks ascending
-            rank = torch.arange(gi.numel(), device=dev) - (counts.cumsum(0) - counts)[gi]
-            pos = gptr[gi] + rank
-            capacity = self.n_blocks + n_groups * (group_k - 1)
-            kidx = torch.zeros(capacity, dtype=torch.long, device=dev)
-            slots = torch.full((capacity, span), -1, dtype=torch.long, device=dev)
-            kidx[pos], slots[pos] = ki, per_group[gi, ki]
-            i32 = torch.int32
-            self._groups[key] = (gptr.to(i32), kidx.to(i32), slots.to(i32).contiguous(), n_groups)
-        return self._groups[key]
-
     def dw_groups(self, group: int, fixed: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
         """Groups of up to ``group`` consecutive active blocks of one block row, for the weight-gradient
         kernel: ``(row, first_slot, count, is_first_of_row, n_groups)``. Every block row has at least one
@@ -302,7 +266,6 @@ REFILL: dict[str, object] = {
     "dw": lambda new, key, value: (same_builder(BlockSparseMeta.dw_groups)(new, key, value)
                                    if key[-1] is True else None),
     "dw_used": keep_as_is,
-    "span": same_builder(BlockSparseMeta.span_entries),
     "block_index": lambda new, key, value: [(value[0], new.row_idx.long()), (value[1], new.col_idx.long())],
     "plans": _stable_plans,
     "calls": _stable_plans,

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparsetrain.kernels.blocksparse import _cuda, dense, gather, span, tma, tuner
+from sparsetrain.kernels.blocksparse import _cuda, dense, gather, tma, tuner
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.testing import HOOKS
 from sparsetrain.kernels.blocksparse.tuner import Product
 
-for _backend in (_cuda.BACKEND, tma.BACKEND, gather.BACKEND, span.BACKEND, dense.BACKEND):
+for _backend in (_cuda.BACKEND, tma.BACKEND, gather.BACKEND, dense.BACKEND):
     tuner.register_backend(_backend)
 
 _MAX_PLANS = 256  # per metadata, e.g. a new token count every batch: bound the cache, rebuilding is cheap

@@ -9,13 +9,12 @@ import torch
 from blocksparse_cases import check_dds_tiles, check_fwd_bwd, make_mask, rel
 
 from sparsetrain.kernels import use_kernel_options
-from sparsetrain.kernels.blocksparse import dense, gather, plans, span, tma, tuner
+from sparsetrain.kernels.blocksparse import dense, gather, plans, tma, tuner
 from sparsetrain.kernels.blocksparse.dense import DenseConfig
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.op import block_sparse_linear
 from sparsetrain.kernels.blocksparse.reference import dense_to_values, reference_grads, values_to_dense
 from sparsetrain.kernels.blocksparse.testing import forced_config
-from sparsetrain.kernels.blocksparse.tuner import Product
 
 
 @pytest.mark.gpu
@@ -66,41 +65,6 @@ def test_gpu_wide_and_tma_tiles(dtype, b, pattern, poison):
             y.backward(dy)
         for name, got, ref in (("y", y, y_ref), ("dx", x.grad, dx), ("dv", values.grad, dv), ("db", bias.grad, db)):
             assert rel(got, ref) < 1e-2, (name, c, w)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("b", [16, 32])
-@pytest.mark.parametrize("pattern", ["random", "empty_rows_cols", "dense", "single"])
-def test_gpu_span_every_tile(dtype, b, pattern, poison):
-    """Every span tile (output tiles several blocks wide), forward and dX, vs the fp32 reference: 33 output
-    blocks forward and 49 for dX (the last group partial for every span), T = 1037 and 5, bias in no / 16-bit /
-    fp32 form, 16-bit and fp32 master values."""
-    I, O = 49 * b, 33 * b
-    gen = torch.Generator().manual_seed(b + len(pattern))
-    mask = make_mask(pattern, (O // b, I // b), gen)
-    if pattern == "random":
-        mask &= torch.rand(mask.shape, generator=gen) < 0.2
-    meta = BlockSparseMeta.from_mask(mask, b).to("cuda")
-    check_dds_tiles(meta, span.CANDIDATES[b], I, O, b, dtype)
-
-
-@pytest.mark.gpu
-def test_gpu_span_candidates_are_timed_never_the_default():
-    """The span tiles are offered on the GPU for 16x16 and 32x32 blocks (forward, dX), after the gather tiles:
-    the untimed first choice (capture, untuned runs) stays what it was."""
-    for b in (16, 32, 64):
-        meta = BlockSparseMeta.from_mask(torch.rand(3072 // b, 768 // b) < 0.1, b).to("cuda")
-        x = torch.empty(4096, 768, device="cuda", dtype=torch.bfloat16)
-        v = torch.empty(meta.n_blocks, b, b, device="cuda", dtype=torch.bfloat16)
-        for kind in ("fwd", "dx"):
-            a = x if kind == "fwd" else torch.empty(4096, 3072, device="cuda", dtype=torch.bfloat16)
-            cands = tuner.candidates(Product(kind, meta, a, v, False))
-            at = [i for i, c in enumerate(cands) if isinstance(c, span.SpanConfig)]
-            assert len(at) == len(span.CANDIDATES.get(b, ())), (b, kind)
-            assert all(i > j for i in at for j, c in enumerate(cands) if isinstance(c, gather.DdsConfig)), (b, kind)
-        dw = tuner.candidates(Product("dw", meta, x, torch.empty(4096, 3072, device="cuda"), False))
-        assert not any(isinstance(c, span.SpanConfig) for c in dw)
 
 
 @pytest.mark.gpu

@@ -57,40 +57,6 @@ def test_padded_entries(forward, group_k):
             assert (int(meta.row_idx[s]), int(meta.col_idx[s])) == (r, c)
 
 
-@pytest.mark.parametrize("forward", [True, False])
-@pytest.mark.parametrize("span,group_k", [(1, 1), (2, 4), (4, 2), (8, 1)])
-def test_span_entries(forward, span, group_k):
-    """Per group of ``span`` output blocks: the union of their input blocks (ascending, padded to group_k) and,
-    per entry, each output block's slot there; the last group may be partial, an all-empty group has none."""
-    gen = torch.Generator().manual_seed(4)
-    mask = make_mask("empty_rows_cols", (7, 9), gen) & (torch.rand(7, 9, generator=gen) < 0.5)
-    mask[:, 2] = False   # block column 2 empty (forward: no entry at input block 2; dx: an empty output block)
-    mask[4:6] = False    # block rows 4 and 5 empty (forward, span 1 or 2: groups with no entries)
-    meta = BlockSparseMeta.from_mask(mask, 16)
-    gptr, kidx, slots, n_groups = meta.span_entries(forward, span, group_k)
-    grid = mask if forward else mask.t()
-    n_out = grid.shape[0]
-    assert n_groups == -(-n_out // span) and gptr.numel() == n_groups + 1 and slots.shape == (kidx.numel(), span)
-    assert all(t.dtype == torch.int32 for t in (gptr, kidx, slots))
-    for g in range(n_groups):
-        lo, hi = int(gptr[g]), int(gptr[g + 1])
-        outs = range(g * span, min((g + 1) * span, n_out))
-        union = sorted({k for j in outs for k in grid[j].nonzero().flatten().tolist()})
-        assert (hi - lo) % group_k == 0 and hi - lo == -(-len(union) // group_k) * group_k
-        real = [e for e in range(lo, hi) if bool((slots[e] >= 0).any())]
-        assert [int(kidx[e]) for e in real] == union and len(real) == len(union)
-        for e in range(lo, hi):
-            for s in range(span):
-                j, k, slot = g * span + s, int(kidx[e]), int(slots[e, s])
-                active = e in real and j < n_out and bool(grid[j, k])
-                assert (slot >= 0) == active, (g, e, s)
-                if active:   # the slot holds block (j, k) of W (forward) or (k, j) (transpose)
-                    r, c = (j, k) if forward else (k, j)
-                    assert (int(meta.row_idx[slot]), int(meta.col_idx[slot])) == (r, c)
-    if forward and span <= 2:   # rows 4 and 5 are empty: their group(s) have no entries
-        assert int(gptr[5 // span + 1]) == int(gptr[4 // span])
-
-
 def test_meta_rejects_bad_mask():
     with pytest.raises(TypeError, match="mask"):
         BlockSparseMeta.from_mask(torch.ones(2, 2), 16)
@@ -134,7 +100,7 @@ def test_rewrite_installs_a_topology_in_place_and_refills_derived_lists():
     mask = torch.rand(6, 8, generator=gen) < 0.3
     meta = BlockSparseMeta.from_mask(mask, 16)
     lists = [meta.padded_entries(True, 4, fixed=True), meta.padded_entries(False, 1, fixed=True),
-             meta.dw_groups(2, fixed=True), meta.span_entries(True, 4, 2), meta.span_entries(False, 2, 1)]
+             meta.dw_groups(2, fixed=True)]
     ids = [id(t) for group in lists for t in group if torch.is_tensor(t)] + [id(getattr(meta, n))
                                                                              for n in meta.TENSORS]
     flat = mask.flatten()
@@ -145,7 +111,7 @@ def test_rewrite_installs_a_topology_in_place_and_refills_derived_lists():
     for name in meta.TENSORS:
         assert torch.equal(getattr(meta, name), getattr(fresh, name)), name
     want = [fresh.padded_entries(True, 4, fixed=True), fresh.padded_entries(False, 1, fixed=True),
-            fresh.dw_groups(2, fixed=True), fresh.span_entries(True, 4, 2), fresh.span_entries(False, 2, 1)]
+            fresh.dw_groups(2, fixed=True)]
     for got, ref in zip(lists, want):
         for g, r in zip(got, ref):
             assert torch.equal(g, r) if torch.is_tensor(g) else g == r

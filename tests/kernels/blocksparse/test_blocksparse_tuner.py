@@ -119,10 +119,10 @@ def test_a_changed_margin_is_not_served_a_stale_choice():
 
 def test_register_backend_places_and_replaces():
     names = [b.name for b in tuner.backends()]
-    assert names == ["cuda", "tma", "gather", "span", "dense"]  # the first candidate is the untimed choice
+    assert names == ["cuda", "tma", "gather", "dense"]  # the first candidate is the untimed choice
     try:
         register_backend(_reference_backend([]), before="gather")
-        assert [b.name for b in tuner.backends()] == ["cuda", "tma", "reference", "gather", "span", "dense"]
+        assert [b.name for b in tuner.backends()] == ["cuda", "tma", "reference", "gather", "dense"]
         register_backend(_reference_backend([]))  # same name: replaced, now last
         assert [b.name for b in tuner.backends()] == [*names, "reference"]
         assert tuner.backend_of(ReferenceConfig()).name == "reference"
