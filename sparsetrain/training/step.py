@@ -46,14 +46,15 @@ def graph_mode(setting: bool | str, on_cuda: bool, processes: int, mixed_precisi
                compile_mode: str | None, optimizer_capturable: bool = True, sharded: bool = False,
                running_stats: bool = False) -> bool:
     """Whether the run replays its steps from a CUDA graph (``trainer.cuda_graph``: true, false or auto). ``auto``
-    means yes on one CUDA process with bf16 or fp32 unless ``torch.compile`` makes graphs of its own. Several
+    means yes on CUDA with bf16 or fp32 unless ``torch.compile`` makes graphs of its own, also with several
     processes that each hold the whole model (DDP-style: each replays its own graph, the gradient all-reduce
-    inside it) take graphs with ``true`` only, for now: that path has been checked against DDP on CPU processes
-    but not yet run over NCCL on GPUs, so ``auto`` keeps such runs on DDP's eager steps. ``sharded`` (FSDP) and
-    ``running_stats`` (BatchNorm statistics, which DDP broadcasts before every forward) rule it out. ``true``
-    where it cannot work is an error naming the key (config validation catches it before any work).
+    inside it). ``sharded`` (FSDP) and ``running_stats`` (BatchNorm statistics, which DDP broadcasts before every
+    forward) rule it out: ``auto`` then runs eager steps. ``true`` where it cannot work is an error naming the key
+    (config validation catches it before any work).
 
     >>> graph_mode("auto", on_cuda=True, processes=2, mixed_precision="bf16", compile_mode=None)
+    True
+    >>> graph_mode("auto", on_cuda=True, processes=2, mixed_precision="bf16", compile_mode=None, sharded=True)
     False
     >>> graph_mode(True, on_cuda=True, processes=2, mixed_precision="bf16", compile_mode=None)
     True
@@ -72,7 +73,7 @@ def graph_mode(setting: bool | str, on_cuda: bool, processes: int, mixed_precisi
                                                                  "which DDP keeps equal across processes"))
                 if bad]
     if setting == "auto":
-        return not blockers and not several   # several processes: opt-in (true) until measured on GPUs
+        return not blockers
     if setting and blockers:
         raise ValueError(f"trainer.cuda_graph: is true but {blockers[0]}; use trainer.cuda_graph=auto or false")
     return bool(setting)

@@ -17,7 +17,7 @@ from tests.training.test_loop import _spec
 def test_graph_mode_auto_and_true():
     assert graph_mode("auto", True, 1, "bf16", None)
     assert not graph_mode("auto", False, 1, "bf16", None)                  # CPU: eager
-    assert not graph_mode("auto", True, 2, "bf16", None)                   # several processes: opt-in for now
+    assert graph_mode("auto", True, 2, "bf16", None)                       # several processes, whole model each
     assert not graph_mode("auto", True, 2, "bf16", None, sharded=True)     # FSDP: eager
     assert not graph_mode("auto", True, 2, "bf16", None, running_stats=True)
     assert graph_mode("auto", True, 1, "bf16", None, running_stats=True)   # one process: nothing to keep equal
