@@ -1,8 +1,8 @@
 """Compare finished runs: final eval loss against training FLOPs and against GPU-seconds.
 
 `sparsetrain pareto RUN_DIR... [--out FILE.png]` collects run directories (or folders holding them up
-to three levels down, such as Hydra's multirun/DATE/TIME/0, 1, ...), prints one aligned table row per
-run, and writes FILE.png (two panels: loss vs FLOPs, loss vs GPU-seconds; each method's Pareto frontier
+to three levels down, such as Hydra's multirun/DATE/TIME/0, 1, ...) and the FILE.csv tables of earlier calls
+(a study run in parts, on several machines or days), prints one aligned table row per run, and writes FILE.png (two panels: loss vs FLOPs, loss vs GPU-seconds; each method's Pareto frontier
 drawn, every point labelled: steps for dense runs, density and block for sparse ones) with FILE.csv and
 FILE.md beside it. `--dense-steps` prints instead the `trainer.max_steps` values of the dense runs that
 match the sparse runs' FLOPs and GPU-seconds (the Pareto study's second stage, docs/pareto.md).
@@ -287,10 +287,14 @@ def collect_runs(paths: Sequence[str | os.PathLike]) -> list[RunResult]:
     if not paths:
         raise ValueError("paths is empty: give at least one run dir or multirun folder")
     run_dirs: list[Path] = []
+    tabled: list[RunResult] = []
     for raw in paths:
         path = Path(raw)
+        if path.suffix.lower() == ".csv" and path.is_file():
+            tabled.extend(read_table(path))
+            continue
         if not path.is_dir():
-            raise ValueError(f"run path {str(raw)!r} is not a directory")
+            raise ValueError(f"run path {str(raw)!r} is not a directory (nor a .csv table `pareto` wrote)")
         found = _find_run_dirs(path)
         if not found:
             raise ValueError(
@@ -299,7 +303,57 @@ def collect_runs(paths: Sequence[str | os.PathLike]) -> list[RunResult]:
             )
         run_dirs.extend(found)
     unique = list(dict.fromkeys(p.resolve() for p in run_dirs))  # the same run given twice counts once
-    return [read_run(p) for p in unique]
+    runs = [read_run(p) for p in unique]
+    read = {_display_path(r.path) for r in runs}
+    kept: dict[str, RunResult] = {}
+    for r in tabled:   # a run read from its directory wins over a table's row of it; a table's repeat counts once
+        if str(r.path) not in read:
+            kept.setdefault(str(r.path), r)
+    return runs + list(kept.values())
+
+
+def _cell(row: dict, key: str, kind: type, where: str) -> object:
+    text = (row.get(key) or "").strip()
+    if not text:
+        return None
+    try:
+        return kind(float(text)) if kind is int else kind(text)
+    except ValueError:
+        raise ValueError(f"{where}: column {key!r} holds {text!r}, not a number") from None
+
+
+def read_table(path: str | os.PathLike) -> list[RunResult]:
+    """The runs of a FILE.csv that `sparsetrain pareto` wrote (`CSV_COLUMNS`), as plain data: no run directory
+    is read, and nothing in the file is evaluated. Each run's `path` is the one the table recorded.
+
+    Raises ValueError naming the file and the first missing column or malformed cell.
+
+    Example:
+        >>> runs = read_table("docs/benchmarks/pareto_bert_small_h100.csv")   # then plotted with new runs
+    """
+    path = Path(path)
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in _TABLE_NEEDS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: not a table `sparsetrain pareto` wrote: no column {missing[0]!r}")
+        rows = list(reader)
+    runs = []
+    for i, row in enumerate(rows, start=2):
+        where = f"{path}, line {i}"
+        if not (row.get("path") or "").strip() or not (row.get("method") or "").strip():
+            raise ValueError(f"{where}: the run has no path or no method")
+        runs.append(RunResult(
+            path=Path(row["path"].strip()), method=row["method"].strip(),
+            density=_cell(row, "density", float, where), block=(row.get("block") or "").strip() or None,
+            final_eval_loss=_cell(row, "final_eval_loss", float, where),
+            total_train_flops=_cell(row, "train_flops", float, where), wall_s=_cell(row, "wall_s", float, where),
+            status=(row.get("status") or "").strip() or "finished", steps=_cell(row, "steps", int, where),
+            gpu_s=_cell(row, "gpu_s", float, where), seed=_cell(row, "seed", int, where),
+            device=(row.get("device") or "").strip() or None, date=(row.get("date") or "").strip() or None,
+            target_density=_cell(row, "target_density", float, where),
+            step_mode=(row.get("step_mode") or "").strip() or None))
+    return runs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -420,6 +474,8 @@ def format_table(runs: Sequence[RunResult]) -> str:
 
 CSV_COLUMNS = ["method", "label", "target_density", "density", "block", "seed", "steps", "train_flops", "gpu_s",
                "wall_s", "final_eval_loss", "frontier", "status", "step_mode", "device", "date", "path"]
+# What read_table needs of a CSV; the label and frontier columns are recomputed.
+_TABLE_NEEDS = [c for c in CSV_COLUMNS if c not in ("label", "frontier")]
 
 
 def _mixed_modes(runs: Sequence[RunResult]) -> list[str]:
@@ -430,6 +486,15 @@ def _mixed_modes(runs: Sequence[RunResult]) -> list[str]:
     counts = ", ".join(f"{sum(r.step_mode == m for r in runs)} {m}" for m in modes)
     return [f"**Warning:** the runs trained in different step modes ({counts}; summary.json `step_mode`): their "
             "GPU-seconds do not compare.", ""]
+
+
+def _mixed_devices(runs: Sequence[RunResult]) -> list[str]:
+    """A warning paragraph when the runs trained on different devices (an H100's seconds are not an H200's)."""
+    devices = sorted({r.device for r in runs if r.device})
+    if len(devices) < 2:
+        return []
+    counts = ", ".join(f"{sum(r.device == d for r in runs)} on {d}" for d in devices)
+    return [f"**Warning:** the runs trained on different devices ({counts}): their GPU-seconds do not compare.", ""]
 
 
 def write_tables(runs: Sequence[RunResult], out: str | os.PathLike) -> tuple[Path, Path]:
@@ -459,7 +524,8 @@ def write_tables(runs: Sequence[RunResult], out: str | os.PathLike) -> tuple[Pat
     when = (dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}") if dates else "date unknown"
     lines = [f"# Final eval loss vs training cost: {len(runs)} runs ({devices}, {when})", "",
              "GPU s: seconds of the training steps once the run is going (start-up, evaluation and checkpoints "
-             "left out) x processes. **Bold**: on its method's frontier (FLOPs, time).", "", *_mixed_modes(runs),
+             "left out) x processes. **Bold**: on its method's frontier (FLOPs, time).", "",
+             *_mixed_modes(runs), *_mixed_devices(runs),
              "| method | density | block | seed | steps | training FLOPs | GPU s | final eval loss | frontier | "
              "status | run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ordered:
@@ -645,7 +711,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = argparse.ArgumentParser(prog="sparsetrain pareto", description=__doc__.split("\n")[0])
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs or multirun folders")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="run dirs, multirun folders, or FILE.csv tables an earlier call wrote")
     parser.add_argument("--out", default="pareto.png",
                         help="PNG to write; FILE.csv and FILE.md go beside it (default: ./pareto.png)")
     parser.add_argument("--dense-steps", action="store_true",
@@ -671,6 +738,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(",".join(str(steps) for steps, _ in chosen))
         return 0
     print(format_table(runs))
+    for line in (*_mixed_modes(runs), *_mixed_devices(runs)):
+        if line:
+            print(line.replace("**", ""), file=sys.stderr)
     try:
         out = plot_pareto(runs, args.out)
     except ValueError as e:

@@ -3,6 +3,7 @@ table, the plot (frontiers, labels that never overlap), the CSV and markdown tab
 import csv
 import itertools
 import math
+import os
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +23,7 @@ from sparsetrain.pareto import (
     plot_pareto,
     point_label,
     read_run,
+    read_table,
     write_tables,
 )
 from sparsetrain.training.metrics import MetricsLogger, read_metrics, train_seconds, write_summary
@@ -358,3 +360,57 @@ def test_tables_warn_when_step_modes_differ(tmp_path):
     runs = [replace(r, step_mode="eager" if i < 2 else "cuda_graph") for i, r in enumerate(_crowded_study((0,)))]
     _, md_path = write_tables(runs, tmp_path / "pareto.png")
     assert "different step modes (38 cuda_graph, 2 eager" in md_path.read_text()
+
+
+# --------------------------------------------------------------------------------------------------
+# A study in parts: the CSV of an earlier call as input
+# --------------------------------------------------------------------------------------------------
+def test_a_table_pareto_wrote_reads_back_as_the_same_runs(tmp_path):
+    runs = _crowded_study(seeds=(0,))
+    csv_path, _ = write_tables(runs, tmp_path / "day1" / "pareto.png")
+    back = read_table(csv_path)
+    assert sorted(back, key=lambda r: str(r.path)) == sorted(runs, key=lambda r: str(r.path))
+
+
+def test_runs_and_an_earlier_table_plot_together_and_a_run_dir_wins_over_its_row(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rng = random.Random(5)
+    for name, density in (("a", 0.1), ("b", 0.5)):
+        _make_run(tmp_path / "runs" / name, "static", density, rng)
+    earlier = collect_runs(["runs"])
+    changed = RunResult(Path("runs/a"), "static", 0.1, "16x16", 9.9, 1e15, 5.0, "finished", steps=100)
+    other = _result("prune_regrow/random", 0.25, "16", 2.5, 3e15, 12.0, path="elsewhere/0")
+    csv_path, _ = write_tables([*earlier, changed, other], tmp_path / "day1" / "pareto.png")
+    runs = collect_runs(["runs", str(csv_path)])
+    by_path = {str(r.path) if not r.path.is_absolute() else os.path.relpath(r.path): r for r in runs}
+    assert sorted(by_path) == ["elsewhere/0", "runs/a", "runs/b"]           # each run once
+    assert by_path["runs/a"].final_eval_loss != 9.9                          # read from its directory
+    assert by_path["elsewhere/0"].final_eval_loss == 2.5 and by_path["elsewhere/0"].gpu_s == 12.0
+    assert main(["runs", str(csv_path), "--out", str(tmp_path / "all" / "pareto.png")]) == 0
+    assert "elsewhere/0" in (tmp_path / "all" / "pareto.csv").read_text()
+
+
+def test_a_malformed_table_is_refused_naming_the_file_and_column(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("method,density\nstatic,0.1\n")
+    with pytest.raises(ValueError, match="bad.csv: not a table `sparsetrain pareto` wrote: no column"):
+        read_table(bad)
+    runs = [_result("static", 0.1, "16", 3.0, 1e15, 10.0)]
+    good, _ = write_tables(runs, tmp_path / "t" / "pareto.png")
+    text = good.read_text().splitlines()
+    text[1] = text[1].replace("1000000000000000.0", "__import__('os')")
+    good.write_text("\n".join(text) + "\n")
+    with pytest.raises(ValueError, match=r"pareto.csv, line 2: column 'train_flops' holds"):
+        read_table(good)
+    assert main([str(good), "--out", str(tmp_path / "x.png")]) == 2
+    assert "train_flops" in capsys.readouterr().err and not (tmp_path / "x.png").exists()
+
+
+def test_runs_from_two_devices_are_flagged(tmp_path):
+    runs = [_result("static", 0.1, "16", 3.0, 1e15, 10.0),
+            RunResult(Path("h200/run"), "dense", 1.0, None, 2.9, 3e15, 9.0, "finished", steps=800, gpu_s=8.0,
+                      seed=0, device="NVIDIA H200", date="2026-11-26")]
+    _, md = write_tables(runs, tmp_path / "pareto.png")
+    assert "Warning:** the runs trained on different devices (1 on NVIDIA H100 80GB HBM3, 1 on NVIDIA H200)" \
+        in md.read_text()
+
