@@ -179,6 +179,9 @@ def validate(cfg: DictConfig) -> None:
     resume = cfg.trainer.resume
     if resume not in (None, "auto") and not Path(str(resume)).is_dir():
         raise ConfigError("trainer.resume", f"must be 'auto', null or an existing checkpoint dir, got {resume!r}")
+    init_from = cfg.trainer.get("init_from")   # its checkpoint is read (and checked) when the run starts
+    if init_from is not None and (not isinstance(init_from, str) or not init_from.strip()):
+        raise ConfigError("trainer.init_from", f"must be null or a checkpoint (or run) dir, got {init_from!r}")
     # optimizer
     resolve_target(cfg.optim.optimizer, "optim.optimizer", base=_optimizer_base())
     lr = cfg.optim.optimizer.get("lr")
@@ -416,7 +419,8 @@ def build_run(cfg: DictConfig) -> RunSpec:
         max_steps=t.max_steps, batch_size=t.batch_size, grad_accum=t.grad_accum,
         mixed_precision=t.mixed_precision, clip_grad_norm=t.clip_grad_norm, eval_every=t.eval_every,
         eval_batches=t.eval_batches, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
-        keep_checkpoints=t.keep_checkpoints, resume=t.resume, device=t.device, num_workers=t.num_workers,
+        keep_checkpoints=t.keep_checkpoints, resume=t.resume, init_from=t.get("init_from"), device=t.device,
+        num_workers=t.num_workers,
         compile=bool(t.get("compile", False)), compile_mode=t.get("compile_mode"),
         cuda_graph=t.get("cuda_graph", False),
         lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=float(o.min_lr_ratio),

@@ -99,13 +99,17 @@ def read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_compatible(state: dict[str, Any], path: Path, scheduler) -> None:
-    """A sparse run refuses a checkpoint that has no sparsity state (its masks would be invented)."""
+def check_compatible(state: dict[str, Any], path: Path, scheduler, key: str | None = None,
+                     same_scheduler: bool = True) -> None:
+    """A sparse run refuses a checkpoint that has no sparsity state (its masks would be invented). A resumed run
+    (``same_scheduler``) also refuses another scheduler's state; ``key`` (e.g. ``trainer.init_from``) leads the
+    message."""
     sp = state.get("sparsity")
+    lead = f"{key}: " if key else ""
     if scheduler.sparse and not sp:
-        raise CheckpointError(f"checkpoint {path} has no sparsity state, but this run uses "
-                              f"{scheduler.name!r}: refusing to resume with invented masks")
-    if sp and sp.get("name") != scheduler.name:
+        raise CheckpointError(f"{lead}checkpoint {path} has no sparsity state, but this run uses "
+                              f"{scheduler.name!r}: refusing to start with invented masks")
+    if same_scheduler and sp and sp.get("name") != scheduler.name:
         raise CheckpointError(f"checkpoint {path} holds sparsity state of {sp.get('name')!r}, this run uses "
                               f"{scheduler.name!r}")
 
@@ -189,17 +193,34 @@ def save_checkpoint(accelerator, model, optimizer, root: Path, step: int, schedu
     return final
 
 
+def load_model_state(inner, path: Path, key: str | None = None) -> None:
+    """Load the checkpoint's weights and masks into the (unwrapped) model: every sparse layer takes the mask in the
+    file and rebuilds its format's storage for it (``SparseLinear._load_from_state_dict``). Loaded with
+    weights_only=True; a tensor of another shape raises :class:`CheckpointError` (led by ``key`` if given)."""
+    model_state = safe_load(path / MODEL_FILE, "model state")
+    if sharded.model_is_sharded(inner):   # FSDP2: each rank takes its shard of the whole tensors
+        sharded.load_full_model_state(inner, model_state)
+        return
+    try:
+        inner.load_state_dict(model_state)
+    except RuntimeError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        detail = "; ".join(lines[1:4]) or (lines[0] if lines else type(e).__name__)
+        hint = (" (the position table: model.max_position_embeddings must be the checkpoint's)"
+                if "position_embeddings" in detail else "")
+        lead = f"{key}: " if key else ""
+        raise CheckpointError(f"{lead}checkpoint {path} does not fit this run's model{hint}: {detail}") from None
+
+
 def load_checkpoint(accelerator, model, optimizer, path: Path, saved_processes: int) -> None:
     """Restore model, optimizer, scaler and this process's RNG state (every file with weights_only=True).
     Sparsity/LR/data state is read by the caller from :func:`read_state`."""
     inner = accelerator.unwrap_model(model)
-    model_state = safe_load(path / MODEL_FILE, "model state")
+    load_model_state(inner, path)
     optimizer_state = safe_load(path / OPTIMIZER_FILE, "optimizer state")
     if sharded.model_is_sharded(inner):   # FSDP2: each rank takes its shard of the whole tensors
-        sharded.load_full_model_state(inner, model_state)
         sharded.load_full_optimizer_state(getattr(optimizer, "optimizer", optimizer), optimizer_state)
     else:
-        inner.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
     if accelerator.scaler is not None and (path / SCALER_FILE).is_file():
         accelerator.scaler.load_state_dict(safe_load(path / SCALER_FILE, "scaler state"))

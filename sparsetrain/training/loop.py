@@ -38,6 +38,7 @@ from sparsetrain.training.metrics import (
 from sparsetrain.training.plots import plot_run
 from sparsetrain.training.ranks import compare_masks, mask_signature
 from sparsetrain.training.resume import (
+    INIT_KEY,
     RunDirError,
     StartPlan,
     check_same_shape,
@@ -143,16 +144,21 @@ def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
     ckpt_root = run_dir / "checkpoints"
 
     # -- 1. how the run starts (fresh, or which checkpoint), decided before anything is written -----
-    plan = plan_start(args.resume, run_dir)
+    plan = plan_start(args.resume, run_dir, args.init_from)
     resume_state = plan.state
     if resume_state is not None:
         ckpt.check_compatible(resume_state, plan.path, scheduler)
         check_same_shape(plan.path, resume_state, spec.config)
+    if plan.init_state is not None:   # trainer.init_from: the same model and mask layout; the scheduler is ours
+        ckpt.check_compatible(plan.init_state, plan.init_path, scheduler, key=INIT_KEY, same_scheduler=False)
+        check_same_shape(plan.init_path, plan.init_state, spec.config, key=INIT_KEY)
 
     # -- 2. model and sparsity (cheap; validates the structure before any data is read) -----------
     set_seed(args.seed)
     model = spec.build_model()
     sparsify_model(model, scheduler, spec.sparsify_kwargs)
+    if plan.init_path is not None:   # its weights and masks, before the optimizer exists (block: values resized)
+        ckpt.load_model_state(model, plan.init_path, key=INIT_KEY)
 
     # -- 3. data: read before config.yaml is written, so that a data error leaves the run dir untouched -----
     data = spec.build_data()

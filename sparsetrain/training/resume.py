@@ -12,6 +12,11 @@ checkpoint, and whether the stored config allows it.
   (:func:`data_position`); a run whose global batch differs, or whose micro-batches cannot start at that
   sample, is refused in one line naming the settings. Model, masks and optimizer state are replicated under
   DDP, so they load on any process count.
+* ``trainer.init_from`` starts a *new* run (step 0, a new optimizer, LR schedule and data order) from another
+  run's checkpoint: its weights and masks only (BERT phase II from phase I). It names a checkpoint dir or a run
+  dir (its newest intact checkpoint). The model and the sparsity layout must match (:data:`INIT_KEYS`);
+  ``data.seq_len`` and everything else may differ. With ``trainer.resume=auto`` a checkpoint of the run itself
+  wins (the continued run resumes itself); with ``trainer.resume=PATH`` it is refused.
 """
 from __future__ import annotations
 
@@ -27,6 +32,13 @@ from sparsetrain.training.checkpoint import CheckpointError
 #: Config keys (and key prefixes) a resumed run must share with its checkpoint: they decide the model's
 #: shapes, which weights are masked and how masks evolve, or the data order.
 SHAPE_KEYS = ("model", "sparsity", "data.seq_len", "data.vocab_size", "data.image_size", "seed")
+#: Config keys a run started with ``trainer.init_from`` must share with the checkpoint: the model and the sparsity
+#: layout (not the scheduler, its seed or the data order, which are the new run's own) ...
+INIT_KEYS = ("model", "sparsity.density", "sparsity.distribution", "sparsity.density_overrides", "sparsity.block",
+             "sparsity.format", "sparsity.targets", "sparsity.exclude", "data.vocab_size", "data.image_size")
+#: ... except these, which shape no weight (the position table is ``model.max_position_embeddings``)
+INIT_FREE = ("model.seq_len", "model.attn_implementation")
+INIT_KEY = "trainer.init_from"
 
 
 class RunDirError(RuntimeError):
@@ -40,6 +52,9 @@ class StartPlan:
 
     path: Path | None = None
     state: dict[str, Any] | None = None
+    #: ``trainer.init_from``: the checkpoint whose weights and masks a fresh run starts from, and its state
+    init_path: Path | None = None
+    init_state: dict[str, Any] | None = None
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     replace_metrics: bool = False
     notes: list[str] = field(default_factory=list)
@@ -54,18 +69,28 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: tree}
 
 
-def shape_changes(old: dict, new: dict, keys: tuple[str, ...] = SHAPE_KEYS) -> list[str]:
-    """Dotted keys under ``keys`` whose values differ between two resolved configs (plain dicts).
+def shape_changes(old: dict, new: dict, keys: tuple[str, ...] = SHAPE_KEYS, free: tuple[str, ...] = ()) -> list[str]:
+    """Dotted keys under ``keys`` (and not under ``free``) whose values differ between two resolved configs
+    (plain dicts).
 
     >>> shape_changes({"sparsity": {"density": 0.1}, "seed": 0}, {"sparsity": {"density": 0.2}, "seed": 0})
     ['sparsity.density']
     """
     a, b = _flatten(old), _flatten(new)
 
-    def watched(k: str) -> bool:
-        return any(k == p or k.startswith(p + ".") for p in keys)
+    def under(k: str, prefixes: tuple[str, ...]) -> bool:
+        return any(k == p or k.startswith(p + ".") for p in prefixes)
 
-    return sorted(k for k in set(a) | set(b) if watched(k) and a.get(k) != b.get(k))
+    return sorted(k for k in set(a) | set(b) if under(k, keys) and not under(k, free) and a.get(k) != b.get(k))
+
+
+def _position_table(config: dict) -> dict:
+    """``config`` with BERT's ``model.max_position_embeddings`` spelt out: the builder makes it ``seq_len`` when
+    unset (sparsetrain.models.builders), so two runs that set neither compare their tables, not their seq_len."""
+    model = config.get("model")
+    if not isinstance(model, dict) or model.get("arch") != "bert" or "seq_len" not in model:
+        return config
+    return {**config, "model": {"max_position_embeddings": model["seq_len"], **model}}
 
 
 def stored_config(path: Path, state: dict[str, Any]) -> dict | None:
@@ -81,16 +106,24 @@ def stored_config(path: Path, state: dict[str, Any]) -> dict | None:
     return None
 
 
-def check_same_shape(path: Path, state: dict[str, Any], config: dict) -> None:
+def check_same_shape(path: Path, state: dict[str, Any], config: dict, key: str = "trainer.resume") -> None:
+    """Refuse a checkpoint trained with other values of the keys that shape the model and its masks: for
+    ``trainer.resume`` :data:`SHAPE_KEYS`, for ``trainer.init_from`` :data:`INIT_KEYS` (less :data:`INIT_FREE`)."""
     old = stored_config(path, state)
     if old is None or not config:
         return
-    changed = shape_changes(old, config)
+    if key == INIT_KEY:
+        old, config = _position_table(old), _position_table(config)
+        changed = shape_changes(old, config, INIT_KEYS, INIT_FREE)
+        fix = "start from a checkpoint of the same model and sparsity layout, or set these keys to its values"
+    else:
+        changed = shape_changes(old, config)
+        fix = "resume with the checkpoint's values or start a new run dir"
     if changed:
         shown = ", ".join(f"{k} ({_get(old, k)} -> {_get(config, k)})" for k in changed[:8])
         more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
-        raise CheckpointError(f"trainer.resume: checkpoint {path} was trained with other model/mask settings: "
-                              f"{shown}{more}; resume with the checkpoint's values or start a new run dir")
+        raise CheckpointError(f"{key}: checkpoint {path} was trained with other model/mask settings: "
+                              f"{shown}{more}; {fix}")
 
 
 def _split(processes: int, batch_size: int, grad_accum: int) -> str:
@@ -158,19 +191,47 @@ def _get(tree: dict, key: str) -> Any:
     return repr(node)
 
 
-def _newest_intact(root: Path, plan: StartPlan) -> None:
+def _newest_intact(root: Path) -> tuple[Path | None, dict[str, Any] | None, list[tuple[Path, str]]]:
+    """The newest checkpoint under ``root`` that reads intact, its state, and the damaged ones skipped."""
+    skipped = []
     for path in reversed(ckpt.list_checkpoints(root)):
         try:
-            plan.path, plan.state = path, ckpt.read_state(path)
-            return
+            return path, ckpt.read_state(path), skipped
         except CheckpointError as e:
-            plan.skipped.append((path, str(e)))
-    plan.path = plan.state = None
+            skipped.append((path, str(e)))
+    return None, None, skipped
 
 
-def plan_start(resume: str | None, run_dir: Path) -> StartPlan:
+def find_init(init_from: str | Path) -> tuple[Path, dict[str, Any], list[str]]:
+    """``trainer.init_from``: a checkpoint dir, or a run dir (its newest intact checkpoint). Returns the
+    checkpoint, its state (every file checked intact, read with weights_only) and notes for the log; anything
+    else raises :class:`CheckpointError` naming ``trainer.init_from``. Reads only: nothing is set aside."""
+    path = Path(init_from)
+    notes = []
+    try:
+        if (path / ckpt.STATE_FILE).is_file():
+            return path, ckpt.read_state(path), notes
+        if (path / "checkpoints").is_dir():
+            found, state, skipped = _newest_intact(path / "checkpoints")
+            notes += [f"{INIT_KEY}: skipping the damaged checkpoint {p} ({why})" for p, why in skipped]
+            if found is None:
+                raise CheckpointError(f"run dir {path} holds no intact checkpoint under checkpoints/")
+            return found, state, notes
+    except CheckpointError as e:
+        raise CheckpointError(f"{INIT_KEY}: {e}") from None
+    what = "is not a sparsetrain checkpoint" if path.exists() else "does not exist"
+    raise CheckpointError(f"{INIT_KEY}: {path} {what} (a checkpoint dir holds {ckpt.STATE_FILE}, a run dir "
+                          f"checkpoints/step_XXXXXXXX)")
+
+
+def plan_start(resume: str | None, run_dir: Path, init_from: str | None = None) -> StartPlan:
     """Decide (reading only) how the run in ``run_dir`` starts; raise RunDirError/CheckpointError if it can't.
-    The caller then checks the checkpoint against the run (:func:`check_same_shape`)."""
+    The caller then checks the checkpoint against the run (:func:`check_same_shape`), and a fresh run's
+    ``init_from`` checkpoint too."""
+    if init_from is not None and resume not in (None, "auto"):
+        raise CheckpointError(f"{INIT_KEY} and trainer.resume={resume} are both set: trainer.resume=PATH continues "
+                              f"a run from its checkpoint (step, optimizer, schedules), {INIT_KEY} starts a new run "
+                              f"from a checkpoint's weights and masks; set one of them")
     root = run_dir / "checkpoints"
     plan = StartPlan()
     has_metrics = (run_dir / "metrics.jsonl").exists()
@@ -180,7 +241,7 @@ def plan_start(resume: str | None, run_dir: Path) -> StartPlan:
             raise RunDirError(f"{run_dir} already holds a run (metrics.jsonl); continue it with "
                               f"trainer.resume=auto or choose another hydra.run.dir")
     elif resume == "auto":
-        _newest_intact(root, plan)
+        plan.path, plan.state, plan.skipped = _newest_intact(root)
         if plan.path is None and has_metrics and finished:
             raise RunDirError(f"{run_dir} holds a finished run without an intact checkpoint; choose another "
                               f"hydra.run.dir")
@@ -195,6 +256,14 @@ def plan_start(resume: str | None, run_dir: Path) -> StartPlan:
                           f"(its metrics.jsonl is replaced)")
     elif plan.path is None and resume == "auto":
         plan.notes.append(f"trainer.resume=auto: no checkpoint under {root}, starting from step 0")
+    if init_from is not None and plan.path is not None:
+        plan.notes.append(f"{INIT_KEY} is not used: trainer.resume=auto continues this run from its own checkpoint "
+                          f"{plan.path}")
+    elif init_from is not None:
+        plan.init_path, plan.init_state, notes = find_init(init_from)
+        plan.notes += notes + [f"{INIT_KEY}: starting from the weights and masks of {plan.init_path} (step "
+                               f"{plan.init_state['step']} of its run) at step 0, with a new optimizer and "
+                               f"learning-rate schedule"]
     return plan
 
 

@@ -38,6 +38,8 @@ class TrainArgs:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     resume: str | None = None
+    #: A checkpoint (or run) dir whose weights and masks a new run starts from, at step 0 (see training/resume.py).
+    init_from: str | None = None
     device: str = "auto"
     num_workers: int = 0
     compile: bool = False
