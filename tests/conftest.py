@@ -37,17 +37,6 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the device machine: pytest -m gpu)")
 
 
-def pytest_collection_modifyitems(config, items):
-    """Without CUDA a GPU test is skipped, not run through the Triton interpreter for minutes (a plain
-    ``pytest`` on a laptop, without ``-m "not gpu"``)."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def built_wheel(tmp_path_factory):
     """The project's wheel, built from a clean copy of the source (a stale build/ folder of the checkout would
