@@ -6,7 +6,7 @@
 * ddp: ``bert_dense``, ``bert_phase1_dynamic`` and ``bert_rigl`` (block format) on 2 GPUs with ``accelerate
   launch``: every mask_update row and the summary say ``ranks_masks_identical: true``; tokens/s of 2 GPUs against
   1 (the same per-GPU batch and settings, so the same step mode where both can replay CUDA graphs; target >=
-  1.85x). A short check updates masks every ~15 steps where its recipe updates every ~625, so the target is taken
+  1.85x). A short check updates masks every ~20 steps where its recipe updates every ~625, so the target is taken
   on what a full-length run gets: the rate of the update-free windows with each update's measured cost spread
   over the recipe's own interval (``sparsetrain.bench.e2e.steady_rate``); the windows' median is printed too.
 * fsdp: ``bert_rigl`` under FSDP2 (full shard, one group per BertLayer): masks identical at every update, and

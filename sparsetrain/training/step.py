@@ -16,10 +16,10 @@ in place), the sparsity scheduler's hook, logging. A step the graph cannot repla
 same body: the step before a RigL update (its layers hand their dense gradient to Python hooks), and a batch
 whose shapes differ from the captured ones. After a mask update, :meth:`TrainStep.topology_changed` keeps the
 graph when the update rewrote everything the step reads in place (``reads``: the parameters, buffers and
-optimizer state are the same tensors at the same addresses, as after an update of the masked format), so the
-next replay reads the new topology. An update that installed new tensors (the block format's index tensors,
-from which launch plans are built on the host) drops the graph: the next step runs eagerly (it builds the new
-topology's plans) and the one after is captured again. Each re-capture costs about two eager steps;
+optimizer state are the same tensors at the same addresses, as after an update of the masked format, or of the
+block format where its kept tables fit the new topology), so the next replay reads the new topology. An update
+that installed new tensors (a block topology that outgrows a kept table) drops the graph: the next step runs
+eagerly (it builds the new topology's plans) and the one after is captured again. Each re-capture costs about two eager steps;
 ``captures``, ``eager_steps`` and ``graphs_kept`` count them for the run summary.
 
 Capture rules this module keeps: the optimizer is capturable with its ``lr`` on the device, autocast does not
