@@ -13,13 +13,14 @@ class Batches:
     ``b`` holds ``batch_size x world`` samples and this rank takes its slice. The position is ``b``. Batch ``b``
     is a pure function of ``b``, and :meth:`get` may be called from several threads."""
 
-    def __init__(self, dataset, collator, batch_size: int, world: int, rank: int, seed: int) -> None:
+    def __init__(self, dataset, collator, batch_size: int, world: int, rank: int, seed: int,
+                 what: str = "training set") -> None:
         self.dataset, self.collator = dataset, collator
         self.batch_size, self.world, self.rank, self.seed = batch_size, world, rank, seed
         self.per_epoch = len(dataset) // (batch_size * world)
         if self.per_epoch < 1:
             raise ValueError(f"trainer.batch_size: {batch_size} x {world} process(es) is larger than the "
-                             f"training set ({len(dataset)} examples)")
+                             f"{what} ({len(dataset)} examples)")
         self._perm_epoch, self._perm = -1, None
         self._lock = threading.Lock()
 

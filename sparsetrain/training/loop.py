@@ -175,6 +175,12 @@ def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
         resume_micro, note = data_position(plan.path, resume_state, accelerator.num_processes, args.batch_size,
                                            args.grad_accum, len(data.train))
         plan.notes += [note] if note else []
+    # the batch size against both sets, before the run dir is touched; the held-out set only where it is read
+    batches = Batches(data.train, data.collator, args.batch_size, accelerator.num_processes,
+                      accelerator.process_index, args.seed)
+    eval_batches = Batches(data.eval, data.collator, args.batch_size, accelerator.num_processes,
+                           accelerator.process_index, args.seed + 1,
+                           what="held-out set (trainer.eval_every)") if args.eval_every else None
     if main:
         _prepare_run_dir(run_dir, plan, spec.config)
         tokenizer = getattr(data, "tokenizer", None)
@@ -200,10 +206,6 @@ def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
     raw_opt = getattr(optimizer, "optimizer", optimizer)
     scheduler.attach(inner, raw_opt, total_steps=args.max_steps)
 
-    batches = Batches(data.train, data.collator, args.batch_size, accelerator.num_processes,
-                      accelerator.process_index, args.seed)
-    eval_batches = Batches(data.eval, data.collator, args.batch_size, accelerator.num_processes,
-                           accelerator.process_index, args.seed + 1)
     global_batch = args.batch_size * args.grad_accum * accelerator.num_processes
     seq_len = getattr(data, "seq_len", None)
     image_size = getattr(data, "image_size", None)

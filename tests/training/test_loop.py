@@ -139,3 +139,16 @@ def test_runs_in_one_process_may_use_different_precisions(tmp_path):
         done.append(train(_spec(Static(), args), tmp_path / f"run_{len(done)}_{precision}")["steps"])
         assert not AcceleratorState._shared_state   # the run took its state with it
     assert done == [1, 1, 1]
+
+
+def test_a_batch_larger_than_the_held_out_set_is_refused_before_the_run_dir_is_written(tmp_path):
+    """The held-out set (8 examples) is checked against trainer.batch_size up front, and only where it is read."""
+    args = dict(max_steps=2, batch_size=16, eval_batches=1, log_every=1, device="cpu", progress=False, plot=False,
+                recipe="plain")
+    with pytest.raises(ValueError, match=r"trainer.batch_size: 16 x 1 process\(es\) is larger than the held-out "
+                                         r"set \(trainer.eval_every\) \(8 examples\)"):
+        train(_spec(Static(), TrainArgs(eval_every=1, **args)), tmp_path / "refused")
+    assert not (tmp_path / "refused" / "config.yaml").exists()
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+    summary = train(_spec(Static(), TrainArgs(eval_every=0, **args)), tmp_path / "no_eval")
+    assert summary["steps"] == 2
