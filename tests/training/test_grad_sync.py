@@ -145,7 +145,7 @@ def _loop_worker(rank: int, port: int, root: str, build, runs: list[tuple[str, s
         summary = loop.train(spec, os.path.join(root, name))
         assert len(wraps) == int(wraps_in_ddp), (name, wraps)   # the step's own sync: no DDP wrapper
         assert summary["ranks_masks_identical"] is not False
-        torch.save({k: v.detach().clone() for k, v in seen["model"].state_dict().items()},
+        torch.save({k: v.detach().cpu() for k, v in seen["model"].state_dict().items()},   # ranks compare on CPU
                    os.path.join(root, f"{name}.rank{rank}.pt"))
         with open(os.path.join(root, f"{name}.rank{rank}.json"), "w") as f:
             json.dump(summary, f)
@@ -266,7 +266,9 @@ def test_two_gpu_graph_steps_train_like_ddp_eager_steps(gpu_runs, case):
     root, (_, updates, _) = gpu_runs, GPU_CASES[case]
     summary = {mode: json.loads((root / f"{case}_{mode}.rank0.json").read_text()) for mode in ("ddp", "graph")}
     assert summary["ddp"]["step_mode"] == "eager" and summary["graph"]["step_mode"] == "cuda_graph"
-    assert summary["graph"]["graph_captures"] == 1 + updates          # again after every mask update
+    # every mask update either keeps the graph (its tables rewritten in place) or captures it again
+    assert summary["graph"]["graph_captures"] >= 1
+    assert summary["graph"]["graph_captures"] + summary["graph"]["graphs_kept"] == 1 + updates
     assert summary["graph"]["graph_replays"] + summary["graph"]["eager_steps"] == 12
     assert summary["graph"]["graph_replays"] >= 12 - 2 * (1 + updates) - 1
     assert summary["graph"]["ranks_masks_identical"] is not False
