@@ -329,7 +329,7 @@ def read_table(path: str | os.PathLike) -> list[RunResult]:
     Raises ValueError naming the file and the first missing column or malformed cell.
 
     Example:
-        >>> runs = read_table("docs/benchmarks/pareto_bert_small_h100.csv")   # then plotted with new runs
+        >>> runs = read_table("docs/benchmarks/pareto_bert_small_h200.csv")   # then plotted with new runs
     """
     path = Path(path)
     with open(path, newline="", encoding="utf-8") as f:
