@@ -537,3 +537,137 @@ def test_set_mask_rewrites_the_index_buffers_in_place_where_every_plan_can_follo
     update(expect_in_place=True)
     layer._bs_meta._groups.setdefault("plans", {})["not rewritable"] = object()
     update(expect_in_place=False)
+
+
+def _kept_tables_match_a_fresh_build(meta: BlockSparseMeta, mask: torch.Tensor) -> set:
+    """Assert that every index tensor and kept table of ``meta`` holds what a metadata built afresh from ``mask`` on
+    meta's device builds for the same key (the weight-gradient CTA table: its rows with work, the spare rows
+    empty); returns the kinds of table compared."""
+    from sparsetrain.kernels.blocksparse import _cuda_tables as ct
+    from sparsetrain.kernels.blocksparse.reference import block_index
+
+    fresh = BlockSparseMeta.from_mask(mask.to(meta.device), meta.block)
+    for name in meta.TENSORS:
+        assert torch.equal(getattr(meta, name), getattr(fresh, name)), name
+    builders = {"dds": BlockSparseMeta.padded_entries, "dw": BlockSparseMeta.dw_groups, "bs_dds_info": ct.entry_info,
+                "bs_wbound": ct.warp_ranges, "bs_ks": ct.ks_table, "block_index": block_index}
+    compared = set()
+    for key, value in meta._groups.items():
+        kind = key[0] if isinstance(key, tuple) else key
+        if kind == "bs_dw_table":
+            (cta, blk, aw, bw), (fcta, fblk, faw, fbw) = value, ct.dw_table(fresh, *key[1:])
+            used = ct.dw_ctas_used(fresh, *key[1:])
+            assert torch.equal(blk, fblk) and (aw, bw) == (faw, fbw), key
+            assert torch.equal(cta[:used], fcta[:used]) and not cta[used:].any(), key
+        elif kind in builders:
+            want = builders[kind](fresh, *key[1:])
+            got, want = ((x,) if torch.is_tensor(x) else x for x in (value, want))
+            for g, w in zip(got, want, strict=True):
+                assert (torch.equal(g, w) and g.dtype == w.dtype) if torch.is_tensor(g) else g == w, key
+        else:
+            continue
+        compared.add(kind)
+    return compared
+
+
+def test_set_mask_refills_every_kept_table_from_the_host_build():
+    """set_mask works out the slots on the host and hands rewrite_ the host copy of the new mask: the values and
+    Adam moments follow their blocks, and every kept table (the CUDA kernels' tables too: plain torch, built here
+    by hand) keeps its storage and holds what a fresh build of the new mask holds."""
+    from sparsetrain.kernels.blocksparse import _cuda_tables as ct
+    from sparsetrain.kernels.blocksparse.reference import block_index
+
+    torch.manual_seed(2)
+    layer = SparseLinear.from_dense(torch.nn.Linear(160, 384), density=0.1, block=16, format="block")
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    layer(torch.randn(5, 160)).square().sum().backward()
+    opt.step()
+    meta = BlockFormat.meta(layer)
+    for forward in (True, False):
+        ct.entry_info(meta, forward)
+        ct.warp_ranges(meta, forward, 8)
+        ct.ks_table(meta, forward, 4, 64)
+    ct.dw_table(meta, True, 128)
+    ct.dw_table(meta, False, 128)
+    block_index(meta)
+    kept = {k: v for k, v in meta._groups.items() if isinstance(k, tuple)}
+    dense_before = layer.dense_weight().clone()
+    moment_before = values_to_dense(opt.state[layer.values]["exp_avg"], meta).clone()
+
+    flat = layer.mask.flatten()
+    new = flat[torch.randperm(flat.numel())].view_as(layer.mask)
+    layer.set_mask(new, opt)
+    assert layer._bs_meta is meta and all(meta._groups[k] is v for k, v in kept.items())
+    assert _kept_tables_match_a_fresh_build(meta, new) >= {"dds", "bs_dds_info", "bs_wbound", "bs_ks",
+                                                           "bs_dw_table", "block_index"}
+    both = to_element_mask(layer.mask & new, Block(16, 16))   # blocks active before and after keep their values
+    torch.testing.assert_close(layer.dense_weight(), torch.where(both, dense_before, 0.0), rtol=0, atol=0)
+    moment = values_to_dense(opt.state[layer.values]["exp_avg"], meta)
+    torch.testing.assert_close(moment, torch.where(both, moment_before, 0.0), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_mask_update_rebuilds_the_cuda_tables_without_a_host_sync():
+    """A mask update of a BERT-base FFN layer (768 -> 3072, 16x16 blocks, density 0.1) whose CUDA kernels' tables
+    are cached (entry lists, warp ranges, weight-gradient CTA table: forced CUDA tiles, a forward and backward):
+
+    - ``set_mask`` given the new mask on the GPU waits for the device exactly twice: the copies of the new mask
+      and of the layer's mask to the host, from which it works out the slots (sync debug mode "warn", counted);
+    - ``BlockSparseMeta.rewrite_`` given a host mask, i.e. the rebuild of the topology and of every kept table,
+      waits for nothing (sync debug mode "error").
+
+    After each, the kept tensors are the same storage and hold what a fresh metadata of the new mask builds on the
+    GPU. Not covered: the scheduler's scoring and choice of the new mask, which come before set_mask."""
+    import warnings
+
+    from sparsetrain.kernels.blocksparse import _cuda
+    from sparsetrain.kernels.blocksparse.testing import forced_config
+
+    torch.manual_seed(0)
+    I, O, b = 768, 3072, 16
+    layer = SparseLinear.from_dense(torch.nn.Linear(I, O), density=0.1, block=b, format="block")
+    layer = layer.to("cuda", torch.bfloat16)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    probe = lambda k: torch.empty(1, k, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    tiles = dict(fwd=_cuda.candidates(probe(I), b, I)[0], dx=_cuda.candidates(probe(O), b, O)[0],
+                 dw=_cuda.DW_CANDIDATES[0])
+    x = torch.randn(256, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)   # dX: the transposed lists
+    with forced_config(**tiles):
+        layer(x).float().square().mean().backward()
+    opt.step()
+    meta = BlockFormat.meta(layer)
+
+    def storage() -> list[int]:
+        kept = [getattr(meta, n) for n in meta.TENSORS] + [t for v in meta._groups.values()
+                                                           for t in (v if isinstance(v, tuple) else (v,))
+                                                           if torch.is_tensor(t)]
+        return [t.data_ptr() for t in kept]
+
+    def shuffled() -> torch.Tensor:
+        flat = layer.mask.flatten()
+        return flat[torch.randperm(flat.numel(), device=flat.device)].view_as(layer.mask)
+
+    before = storage()
+    new = shuffled()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            layer.set_mask(new, opt)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchronizing" in str(w.message)]
+    assert len(syncs) == 2, [str(w.message) for w in syncs]          # new_mask.cpu(), layer.mask.cpu()
+    assert layer._bs_meta is meta and storage() == before           # rewritten in place
+    assert {"dds", "bs_dds_info", "bs_wbound", "bs_dw_table"} <= _kept_tables_match_a_fresh_build(meta, new)
+
+    host = shuffled().cpu()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        assert meta.rewrite_(host)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert storage() == before
+    assert {"dds", "bs_dds_info", "bs_wbound", "bs_dw_table"} <= _kept_tables_match_a_fresh_build(meta, host)

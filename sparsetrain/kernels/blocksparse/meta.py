@@ -104,8 +104,12 @@ class BlockSparseMeta:
         storage and read the new topology, so kernels captured in a CUDA graph stay valid. Each kept entry is
         rebuilt for the new topology by its :data:`REFILL` rule first; where one cannot follow (no rule, a plan
         that is not ``stable``, a table the new topology outgrows) nothing is changed and the result is False:
-        the caller then builds a new metadata."""
-        new = BlockSparseMeta.from_mask(mask.to(self.device), (self.block_rows, self.block_cols))
+        the caller then builds a new metadata.
+
+        The new topology and its tables are built on the host (tiny index grids: on a GPU each of their ops would
+        be a kernel launch and many a host sync) and copied into the kept tensors; given a CPU ``mask``, a rewrite
+        of a CUDA metadata waits for nothing on the device."""
+        new = BlockSparseMeta.from_mask(mask.cpu(), (self.block_rows, self.block_cols))
         if new.grid != self.grid or new.n_blocks != self.n_blocks:
             raise ValueError(f"rewrite_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the new "
                              f"mask has grid {new.grid} and {new.n_blocks}")
@@ -119,8 +123,7 @@ class BlockSparseMeta:
         if any(dst.shape != src.shape for dst, src in copies):
             return False
         with torch.no_grad():
-            for dst, src in copies:
-                dst.copy_(src)
+            _copy_into(copies)
         for hook in REWRITTEN:
             hook(self)
         return True
@@ -231,6 +234,21 @@ class BlockSparseMeta:
         return self._groups[key]
 
 
+def _copy_into(copies: list[tuple[Tensor, Tensor]]) -> None:
+    """``dst.copy_(src)`` for every pair, the sources built on the host: per device and dtype of the kept tensors,
+    the sources are joined in one host buffer, which goes over in one ``non_blocking`` transfer (pageable memory,
+    which the driver stages before the call returns: no host sync, and the buffer may go), and one
+    ``_foreach_copy_`` writes the parts into the kept tensors."""
+    by_kind: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
+    for dst, src in copies:
+        by_kind.setdefault((dst.device, dst.dtype), []).append((dst, src))
+    for (device, dtype), pairs in by_kind.items():
+        dsts = [dst for dst, _ in pairs]
+        flat = torch.cat([src.reshape(-1).to("cpu", dtype) for _, src in pairs]).to(device, non_blocking=True)
+        parts = flat.split([dst.numel() for dst in dsts])
+        torch._foreach_copy_(dsts, [part.view(dst.shape) for part, dst in zip(parts, dsts)])
+
+
 def same_builder(build):
     """A :data:`REFILL` rule for a cached tensor or tuple that ``build(new_meta, *key[1:])`` makes again for the
     new topology with the same sizes: its tensors pair up."""
@@ -259,7 +277,9 @@ REWRITTEN: list = []
 
 #: How each kind of entry kept in ``BlockSparseMeta._groups`` (its key, or its key's first item) follows
 #: :meth:`BlockSparseMeta.rewrite_`: ``rule(new_meta, key, value) -> [(kept tensor, its new content), ...]``, or
-#: None where it cannot. A backend that keeps a table of its own on the metadata registers a rule here.
+#: None where it cannot. ``new_meta`` lives on the host, ``value`` where the metadata does: a rule builds the new
+#: content from ``new_meta`` alone (it may read the kept tensors' shapes, never compute with them). A backend that
+#: keeps a table of its own on the metadata registers a rule here.
 REFILL: dict[str, object] = {
     "dds": lambda new, key, value: (same_builder(BlockSparseMeta.padded_entries)(new, key, value)
                                     if key[-1] is True else None),   # the exact lists' sizes vary

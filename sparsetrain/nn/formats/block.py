@@ -133,21 +133,24 @@ class BlockFormat(WeightFormat):
         (:meth:`~sparsetrain.kernels.blocksparse.BlockSparseMeta.rewrite_`), so a CUDA graph of the training step
         stays valid; where the new topology does not fit a kept table (the CUDA weight-gradient kernel's CTAs)
         the layer gets new buffers instead."""
-        new_mask = new_mask.to(device=layer.mask.device, dtype=torch.bool)
-        old_mask = layer.mask
-        n_old, n_new = int(old_mask.sum()), int(new_mask.sum())
+        # The slots are worked out on the host from one copy of each mask (index grids of a few thousand blocks:
+        # on a GPU each op would be a launch, and each boolean index a host sync); the values move on their device.
+        new_mask = new_mask.to(dtype=torch.bool)
+        new_host, old_host = new_mask.cpu(), layer.mask.cpu()
+        if new_mask.device != layer.mask.device:   # to the device from pageable memory: staged, no sync
+            new_mask = new_host.to(layer.mask.device, non_blocking=not new_host.is_pinned())
+        n_old, n_new = int(old_host.sum()), int(new_host.sum())
         if n_new != n_old:
             raise ValueError(f"new_mask has {n_new} active blocks but the block format keeps the count "
                              f"constant at {n_old}; use set_format('masked') to change density")
         values = layer.values
         dev = values.device
-        old_m, new_m = old_mask.to(dev), new_mask.to(dev)
-        slot_old = torch.full(old_m.shape, -1, dtype=torch.long, device=dev)
-        slot_old[old_m] = torch.arange(n_old, device=dev)  # boolean indexing is row-major = slot order
-        slot_new = torch.full(new_m.shape, -1, dtype=torch.long, device=dev)
-        slot_new[new_m] = torch.arange(n_new, device=dev)
-        keep = old_m & new_m
-        src, dst = slot_old[keep], slot_new[keep]
+        slot_old = torch.full(old_host.shape, -1, dtype=torch.long)
+        slot_old[old_host] = torch.arange(n_old)  # boolean indexing is row-major = slot order
+        slot_new = torch.full(new_host.shape, -1, dtype=torch.long)
+        slot_new[new_host] = torch.arange(n_new)
+        keep = old_host & new_host
+        src, dst = (t.to(dev, non_blocking=True) for t in (slot_old[keep], slot_new[keep]))
 
         def move(t: Tensor) -> None:   # a sharded t (FSDP2): gathered, moved whole, each rank keeps its shard
             full = whole(t)
@@ -163,7 +166,7 @@ class BlockFormat(WeightFormat):
                     move(v)
             layer.mask.copy_(new_mask)
         meta = self.meta(layer)
-        if not meta.rewrite_(new_mask.to(meta.device)):   # in place where every kept table can follow
+        if not meta.rewrite_(new_host):   # in place where every kept table can follow
             self._install_meta(layer, self._build_meta(layer, new_mask, dev))
 
     def weight_parameter(self, layer):

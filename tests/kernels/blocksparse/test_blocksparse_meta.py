@@ -6,6 +6,7 @@ import torch
 from blocksparse_cases import make_mask
 
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+from sparsetrain.kernels.blocksparse.reference import block_index
 
 
 def test_meta_matches_mask():
@@ -96,11 +97,13 @@ def test_fixed_dw_groups_pad_with_groups_that_do_nothing(group):
 
 
 def test_rewrite_installs_a_topology_in_place_and_refills_derived_lists():
+    """The new topology is built on the host and copied into the kept tensors, per dtype in one transfer: the int32
+    lists and the int64 block index (the reference path's) both hold what a fresh build of the new mask holds."""
     gen = torch.Generator().manual_seed(5)
     mask = torch.rand(6, 8, generator=gen) < 0.3
     meta = BlockSparseMeta.from_mask(mask, 16)
     lists = [meta.padded_entries(True, 4, fixed=True), meta.padded_entries(False, 1, fixed=True),
-             meta.dw_groups(2, fixed=True)]
+             meta.dw_groups(2, fixed=True), block_index(meta)]
     ids = [id(t) for group in lists for t in group if torch.is_tensor(t)] + [id(getattr(meta, n))
                                                                              for n in meta.TENSORS]
     flat = mask.flatten()
@@ -111,10 +114,10 @@ def test_rewrite_installs_a_topology_in_place_and_refills_derived_lists():
     for name in meta.TENSORS:
         assert torch.equal(getattr(meta, name), getattr(fresh, name)), name
     want = [fresh.padded_entries(True, 4, fixed=True), fresh.padded_entries(False, 1, fixed=True),
-            fresh.dw_groups(2, fixed=True)]
+            fresh.dw_groups(2, fixed=True), block_index(fresh)]
     for got, ref in zip(lists, want):
-        for g, r in zip(got, ref):
-            assert torch.equal(g, r) if torch.is_tensor(g) else g == r
+        for g, r in zip(got, ref, strict=True):
+            assert (torch.equal(g, r) and g.dtype == r.dtype) if torch.is_tensor(g) else g == r
     assert ids == [id(t) for group in lists for t in group if torch.is_tensor(t)] + [id(getattr(meta, n))
                                                                                      for n in meta.TENSORS]
 
