@@ -125,7 +125,7 @@ def topk_mask(scores: Tensor, k: int) -> Tensor:
     if k > 0:
         # argsort with stable=True gives the same choice on every rank for equal scores.
         idx = torch.argsort(flat, descending=True, stable=True)[:k]
-        mask[idx] = True
+        mask.index_fill_(0, idx, True)  # a scalar fill: `mask[idx] = True` would copy True to the device and wait
     return mask.reshape(scores.shape)
 
 

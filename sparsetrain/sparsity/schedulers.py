@@ -234,8 +234,13 @@ class PruneRegrow(SparsityScheduler):
             self.policy.layer = name
             drop = to_scores_grid(self.policy.drop_scores(w, g, mask), w.shape, layer.block)
             grow = to_scores_grid(self.policy.grow_scores(w, g, mask), w.shape, layer.block)
-            n = int(round(frac * layer.n_active))
-            u = update_mask(mask, drop.to(mask.device), grow.to(mask.device), n)
+            n_active = layer.n_active
+            n = int(round(frac * n_active))
+            # scores made on the host (SET's random grow scores) go to the device without a sync: the driver
+            # stages pageable memory before the call returns (a pinned tensor might change before the copy ran)
+            drop, grow = (t.to(mask.device, non_blocking=t.device.type == "cpu" and not t.is_pinned())
+                          for t in (drop, grow))
+            u = update_mask(mask, drop, grow, n, n_active)
             if u.n_dropped:
                 layer.set_mask(u.mask, self.optimizer)
             pruned += u.n_dropped

@@ -75,10 +75,14 @@ def test_update_mask_counts():
         mask = torch.rand(12, 10, generator=gen) < 0.3
         n_act = int(mask.sum())
         n = int(torch.randint(0, n_act + 1, (1,), generator=gen))
-        u = update_mask(mask, torch.rand(12, 10, generator=gen), torch.rand(12, 10, generator=gen), n)
+        drop, grow = torch.rand(12, 10, generator=gen), torch.rand(12, 10, generator=gen)
+        u = update_mask(mask, drop, grow, n)
         n_eff = min(n, n_act, mask.numel() - n_act)
         assert int(u.mask.sum()) == n_act
         assert u.n_dropped == u.n_grown == n_eff
+        assert (u.n_dropped, u.n_grown) == (int(u.dropped.sum()), int(u.grown.sum()))  # host counts = the masks
+        told = update_mask(mask, drop, grow, n, n_active=n_act)      # a caller that knows the count
+        assert torch.equal(told.mask, u.mask) and told.counts == u.counts
         assert int((u.mask ^ mask).sum()) == 2 * n_eff
         assert not (u.dropped & u.mask).any() and (u.grown & ~mask).equal(u.grown)
 
