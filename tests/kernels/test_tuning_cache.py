@@ -60,7 +60,7 @@ def test_stable_key_writes_dtypes_as_strings_and_refuses_other_objects():
 def test_every_registered_backends_config_type_round_trips():
     """One config of each class every built-in backend registers (non-default fields where there are any)
     comes back equal and of its own class, through the file."""
-    configs = [CudaDdsConfig(8, 2, 1), CudaKsConfig(2), CudaDwConfig(16), TmaDdsConfig(64, 4, 3, True),
+    configs = [CudaDdsConfig(8, 2, 1), CudaKsConfig(2), CudaDwConfig(16, "tiles"), TmaDdsConfig(64, 4, 3, True),
                TmaDwConfig(128, 8, 3, 2), DdsConfig(32, 2, 4, 8, 3, ".ca", True), DwConfig(8, 64, 4, 4),
                DenseConfig()]
     types = tuner._config_types()
@@ -371,6 +371,33 @@ def test_an_entry_of_a_removed_backend_is_timed_again(gpu):
     assert "SpanConfig" not in path.read_text()
     gpu.restart()
     assert gpu.pick() == CANDS[1] and gpu.pick("dx") == CANDS[1] and gpu.timed == []
+
+
+def test_a_cuda_dw_entry_from_before_its_layout_field_is_timed_again(gpu, monkeypatch):
+    """A file written while CudaDwConfig held only its chunk size (fields ``{"tc": 32}``, no ``layout``) names
+    configs whose fields no longer match the class: such an entry is skipped without a warning (not read as either
+    layout), both layouts are timed again and the entry is replaced."""
+    dw = [CudaDwConfig(32), CudaDwConfig(32, "tiles"), DenseConfig()]
+    for cfg, ms in zip(dw, (0.6, 0.4, 0.9)):
+        monkeypatch.setitem(MS, cfg, ms)
+    assert gpu.pick("dw", cands=dw) == dw[1] and gpu.timed == dw
+    path = gpu.files()[0]
+    data = json.loads(path.read_text())
+    types = tuner._config_types()
+    before = {"backend": "cuda", "type": "CudaDwConfig", "fields": {"tc": 32}}
+    (key, entry), = data["choices"].items()
+    entry["config"], entry["timed"] = before, [[before, 0.1], [encode_config(DenseConfig(), types), 0.9]]
+    path.write_text(json.dumps(data))
+    assert ChoiceFile(path).lookup(key, types) is None
+    assert decode_config(before, types) is None
+    assert decode_config({**before, "fields": {"tc": 32, "layout": "tiles"}}, types) == dw[1]
+    gpu.restart()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert gpu.pick("dw", cands=dw) == dw[1] and gpu.timed == dw
+    assert ChoiceFile(path).lookup(key, types) == (dw[1], list(zip(dw, (0.6, 0.4, 0.9))))
+    gpu.restart()
+    assert gpu.pick("dw", cands=dw) == dw[1] and gpu.timed == []
 
 
 def test_a_corrupt_cache_is_timed_over_and_replaced(gpu):

@@ -6,7 +6,9 @@ built by ``nvcc`` on first use unless ``KernelOptions.cuda_kernels`` is off).
   the dense operand is read once per tile instead of once per active block (the Triton kernel's gather).
 - ``bs_dds_ks`` (K-streamed, 16x16 blocks, large K): the same product with the K dimension streamed in parts,
   where a token tile of the whole K no longer fits beside a useful number of warps.
-- ``bs_dw`` (weight gradient at 16x16 blocks): CTAs of up to ``cap`` blocks staging column strips of X and dY.
+- ``bs_dw`` (weight gradient at 16x16 blocks): CTAs of up to ``cap`` blocks, each staging a range of X columns
+  and one of dY columns; two table layouts (strips: the narrower operand whole; tiles: rectangles of the block
+  grid) are separate candidates.
 
 The plans fix everything but the data pointers, like the Triton plans, and the tuner times these candidates
 beside the others, so a shape keeps whichever is fastest.
@@ -22,6 +24,7 @@ from torch import Tensor
 
 from sparsetrain.kernels._runtime.device import num_sms, raw_stream, smem_optin
 from sparsetrain.kernels.blocksparse._cuda_tables import (
+    DwLayout,
     _cdiv,
     dw_ctas_used,
     dw_table,
@@ -184,12 +187,14 @@ class CudaKsPlan:
 
 
 class CudaDwConfig(NamedTuple):
-    """Tokens per staged chunk of the CUDA weight-gradient kernel (16 or 32)."""
+    """A launch of the CUDA weight-gradient kernel: tokens per staged chunk (16 or 32) and the CTA layout of
+    its table (``"strips"`` or ``"tiles"``, :func:`~._cuda_tables.dw_table`)."""
 
     tc: int
+    layout: DwLayout = "strips"
 
 
-DW_CANDIDATES = (CudaDwConfig(32), CudaDwConfig(16))
+DW_CANDIDATES = (CudaDwConfig(32), CudaDwConfig(16), CudaDwConfig(32, "tiles"), CudaDwConfig(16, "tiles"))
 
 
 def _dw_lib(device: torch.device):
@@ -204,16 +209,23 @@ def _dw_cap(so) -> int:
 
 
 def dw_candidates(x: Tensor, dy: Tensor, meta, with_bias: bool) -> list[CudaDwConfig]:
-    """The CUDA weight-gradient tiles that can run here: 16x16 blocks, fp16/bf16, shared memory that fits."""
+    """The CUDA weight-gradient launches that can run here: 16x16 blocks, fp16/bf16, shared memory of the
+    layout's widths that fits."""
     if (not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16) or dy.dtype != x.dtype
             or meta.block_rows != 16 or meta.block_cols != 16 or meta.n_blocks == 0):
         return []
     so = _dw_lib(x.device)
     if so is None:
         return []
-    aw, bw = dw_widths(meta)   # the widths a plan launches with (no table built for a tile not chosen)
-    limit = smem_optin(x.device)
-    return [c for c in DW_CANDIDATES if 2 * 2 * c.tc * (aw + 8 + bw + 8) <= limit]
+    cap, limit = _dw_cap(so), smem_optin(x.device)
+    # the widths a plan launches with (no table built for a tile not chosen)
+    return [c for c in DW_CANDIDATES if dw_smem(c.tc, *dw_widths(meta, cap, c.layout)) <= limit]
+
+
+def dw_smem(tc: int, a_width: int, b_width: int) -> int:
+    """Shared memory of a ``bs_dw`` launch (bytes): two stages of ``tc`` token rows of both staged ranges, each
+    row padded by 8 halves (as ``sparsetrain_bs_dw`` sets its strides)."""
+    return 2 * 2 * tc * (a_width + 8 + b_width + 8)
 
 
 class CudaDwPlan:
@@ -228,9 +240,10 @@ class CudaDwPlan:
         if so is None:
             raise RuntimeError("the CUDA kernel bs_dw is unavailable here")
         self.fn = so.sparsetrain_bs_dw
-        self.cta, self.blk, self.aw, self.bw = dw_table(meta, with_bias, _dw_cap(so))
+        cap = _dw_cap(so)
+        self.cta, self.blk, self.aw, self.bw = dw_table(meta, with_bias, cap, cfg.layout)
         self.t, self.tc, self.with_bias = x.shape[0], cfg.tc, with_bias
-        n_cta = dw_ctas_used(meta, with_bias, _dw_cap(so))   # the split is chosen for the CTAs with work
+        n_cta = dw_ctas_used(meta, with_bias, cap, cfg.layout)   # the split is chosen for the CTAs with work
         splits = max(1, min(_cdiv(2 * num_sms(x.device), n_cta), self.t // (4 * cfg.tc)))
         self.tps = _cdiv(_cdiv(self.t, splits), cfg.tc) * cfg.tc  # tokens per split, a multiple of tc
         self.splits = _cdiv(self.t, self.tps)

@@ -2,18 +2,31 @@
 :class:`~.meta.BlockSparseMeta` and cached on it. Plain torch, so they are tested anywhere.
 
 Each table has a size that a mask update of the same active count can keep (the entry lists at their largest, the
-weight-gradient CTA table with room to spare), and a rule in :data:`~.meta.REFILL`, so
-:meth:`~.meta.BlockSparseMeta.rewrite_` refills them in place and a CUDA graph that launched these kernels stays
-valid; a new topology that outgrows the CTA table takes new metadata instead.
+weight-gradient CTA table with room to spare, in its "tiles" layout for any topology), and a rule in
+:data:`~.meta.REFILL`, so :meth:`~.meta.BlockSparseMeta.rewrite_` refills them in place and a CUDA graph that
+launched these kernels stays valid; a new topology that outgrows the CTA table takes new metadata instead.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from sparsetrain.kernels.blocksparse.meta import REFILL, keep_as_is, same_builder
 
-STRIP_BLOCKS = 32  # widest column strip a CTA of the weight-gradient kernel stages of its strip operand (blocks)
+STRIP_BLOCKS = 32  # widest strip a "strips" CTA of the weight-gradient kernel stages of its strip operand (blocks)
+# Longest side of a "tiles" rectangle (blocks): both staged widths at most 56 * 16 columns take
+# 2 * 2 * 32 * 2 * (896 + 8) = 231424 bytes of shared memory at 32 tokens a chunk (the sm_90 opt-in limit is
+# 232448), and a row band's bias columns (at most 896) fit the kernel's 512 threads x 2 columns.
+TILE_SIDE = 56
+# Expected blocks of the largest "tiles" rectangle, as a fraction of a CTA's cap: room for the spread of a
+# topology (at density 0.1, 96 expected blocks; 128 is 3.4 standard deviations above); a fuller rectangle
+# takes several CTAs.
+TILE_FILL = 0.75
+
+DwLayout = Literal["strips", "tiles"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -86,55 +99,86 @@ def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Ten
     return meta._groups[key]
 
 
-def dw_table(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]:
+def dw_table(meta, with_bias: bool, cap: int, layout: DwLayout = "strips") -> tuple[Tensor, Tensor, int, int]:
     """CTA table of the weight-gradient kernel: ``(cta [n_cta, 8], blk [n_blocks, 4], a_width, b_width)``, the CTA
     rows followed by :func:`dw_room` empty ones (no blocks, no bias columns: such a CTA returns at once) that a
     later topology may fill (:meth:`~.meta.BlockSparseMeta.rewrite_`). Cached on the metadata, with the number
     of CTAs that hold work (:func:`dw_ctas_used`).
 
-    Orientation: the narrower of X (``in_features``) and dY (``out_features``) is staged whole per token chunk;
-    the blocks are walked in the order of the other one's block index (rows: CSR order, dY strips; columns:
-    transpose order, X strips) and cut into CTAs of at most ``cap`` blocks whose strip spans at most
-    ``STRIP_BLOCKS`` blocks. ``cta`` rows: first block, count, dY column range (start, width), X column range,
-    bias column range (disjoint over the CTAs, inside the dY range; bias-only CTAs with no blocks cover rows no
-    block CTA can take). ``blk`` rows: slot, column of its dY strip / X strip in the staged ranges, 0.
-    Built on the host from the index arrays, once per topology (cached on the metadata)."""
-    key = ("bs_dw_table", with_bias, cap)
+    ``cta`` rows: first block, count (at most ``cap``), dY column range (start, width), X column range, bias
+    column range (disjoint over the CTAs, together every dY column once where ``with_bias``, each inside its CTA's
+    dY range; a bias-only CTA with no blocks covers rows no block CTA takes). ``blk`` rows: slot, column of its
+    dY block / X block in the staged ranges, 0. ``a_width``, ``b_width``: :func:`dw_widths`. Built on the host
+    from the index arrays, once per topology. The ``layout`` decides which blocks share a CTA:
+
+    - ``"strips"`` (:func:`_dw_rows`): the narrower of X and dY is staged whole, the other as a strip of at most
+      STRIP_BLOCKS block rows (dY) or columns (X);
+    - ``"tiles"`` (:func:`_dw_tile_rows`): the block grid cut in rectangles (:func:`dw_tiles`); a CTA stages the
+      dY and X columns its blocks span in one rectangle.
+    """
+    key = ("bs_dw_table", with_bias, cap, layout)
     if key in meta._groups:
         return meta._groups[key]
-    cta, blk, _, _ = _dw_rows(meta, with_bias, cap)
+    cta, blk, _, _ = DW_LAYOUTS[layout].rows(meta, with_bias, cap)
     used = cta.shape[0]
-    table = (torch.cat([cta, cta.new_zeros(dw_room(used), 8)]), blk, *dw_widths(meta))
+    room = dw_room(used, DW_LAYOUTS[layout].most(meta, cap))
+    table = (torch.cat([cta, cta.new_zeros(room, 8)]), blk, *dw_widths(meta, cap, layout))
     meta._groups[key] = table
-    meta._groups[("bs_dw_used", with_bias, cap)] = used
+    meta._groups[("bs_dw_used", with_bias, cap, layout)] = used
     return table
 
 
-def dw_widths(meta) -> tuple[int, int]:
+def dw_widths(meta, cap: int, layout: DwLayout = "strips") -> tuple[int, int]:
     """The staged widths ``(a_width, b_width)`` the weight-gradient kernel launches with: the widest any topology
-    of this grid can need (the strip side at most STRIP_BLOCKS blocks, the other side whole), so a mask update
-    never outgrows them. Its shared memory is ``2 * 2 * tc * (a_width + 8 + b_width + 8)`` bytes."""
-    b, (R, C) = meta.block_rows, meta.grid
-    if meta.in_features <= meta.out_features:   # X staged whole, dY strips by block row
-        return min(STRIP_BLOCKS, R) * b, C * b
-    return R * b, min(STRIP_BLOCKS, C) * b
+    of this grid and active count can need, so a mask update never outgrows them (strips: the strip side at most
+    STRIP_BLOCKS blocks, the other side whole; tiles: the largest rectangle's sides). The kernel's shared memory
+    is ``2 * 2 * tc * (a_width + 8 + b_width + 8)`` bytes."""
+    return DW_LAYOUTS[layout].widths(meta, cap)
 
 
-def dw_room(n_cta: int) -> int:
-    """Empty CTA rows kept after a table of ``n_cta`` CTAs, for the topologies of later mask updates."""
-    return max(8, n_cta // 4)
+def dw_room(n_cta: int, most: int = 0) -> int:
+    """Empty CTA rows kept after a table of ``n_cta`` CTAs, for the topologies of later mask updates: a quarter
+    more (at least 8), or up to ``most`` where a layout bounds the CTAs of every topology."""
+    return max(8, n_cta // 4, most - n_cta)
 
 
-def dw_ctas_used(meta, with_bias: bool, cap: int) -> int:
-    """CTAs of ``dw_table(meta, with_bias, cap)`` that held work when it was built (the token split is chosen
-    for them)."""
-    dw_table(meta, with_bias, cap)
-    return meta._groups[("bs_dw_used", with_bias, cap)]
+def dw_ctas_used(meta, with_bias: bool, cap: int, layout: DwLayout = "strips") -> int:
+    """CTAs of ``dw_table(meta, with_bias, cap, layout)`` that held work when it was built (the token split is
+    chosen for them)."""
+    dw_table(meta, with_bias, cap, layout)
+    return meta._groups[("bs_dw_used", with_bias, cap, layout)]
+
+
+def dw_tiles(grid: tuple[int, int], n_blocks: int, cap: int) -> tuple[int, int]:
+    """``(nr, nc)`` of the "tiles" layout: the ``R`` block rows cut in ``nr`` bands of near-equal height
+    (``i * R // nr``), the ``C`` block columns in ``nc``. Among the cuts whose largest rectangle
+    (``ceil(R/nr) x ceil(C/nc)``) expects at most ``TILE_FILL * cap`` blocks at the grid's density and has sides
+    of at most TILE_SIDE, the one that stages the fewest block columns (``nc * R + nr * C``: the sum of every
+    rectangle's sides), then the one of fewest rectangles, then of more row bands (more CTAs share the bias sums).
+
+    >>> dw_tiles((192, 48), 922, 128)   # 768 -> 3072 at density 0.1: 5 x 2 rectangles of at most 39 x 24
+    (5, 2)
+    """
+    R, C = grid
+    target = TILE_FILL * cap * R * C   # expected blocks <= target / (R * C) in r x c cells: r * c * n <= target
+    best = None
+    for nr in range(_cdiv(R, TILE_SIDE), R + 1):
+        if best is not None and nr * C + R > best[0][0]:   # staged columns only grow from here
+            break
+        r = _cdiv(R, nr)
+        c = max(1, min(C, TILE_SIDE, int(target // (r * n_blocks)) if n_blocks else C))
+        nc = _cdiv(C, c)
+        score = (nc * R + nr * C, nr * nc, -nr)
+        if best is None or score < best[0]:
+            best = (score, nr, nc)
+    return best[1], best[2]
 
 
 def _dw_rows(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]:
-    """The CTA rows of :func:`dw_table` without its spare rows."""
-    b, R, C = meta.block, meta.grid[0], meta.grid[1]
+    """The CTA rows of the "strips" layout of :func:`dw_table`, without its spare rows: the blocks walked in the
+    order of the strip operand's block index (rows: CSR order, dY strips; columns: transpose order, X strips)
+    and cut into CTAs of at most ``cap`` blocks whose strip spans at most ``STRIP_BLOCKS`` blocks."""
+    R, C = meta.grid[0], meta.grid[1]
     rows_full_x = meta.in_features <= meta.out_features  # X staged whole, dY strips by block row
     if rows_full_x:
         order = list(range(meta.n_blocks))
@@ -182,14 +226,76 @@ def _dw_rows(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]
             blo, bhi = (i * R // ng, (i + 1) * R // ng) if with_bias else (0, 0)
             ctas.append([first, cnt, 0, R, s0, s1, blo, bhi])
         ctas = [c for c in ctas if c[1] > 0 or c[7] > c[6]]
-    blk = []
+    return _pack(meta, ctas, order, rr, cc)
+
+
+def _strip_widths(meta, cap: int) -> tuple[int, int]:
+    b, (R, C) = meta.block_rows, meta.grid
+    if meta.in_features <= meta.out_features:   # X staged whole, dY strips by block row
+        return min(STRIP_BLOCKS, R) * b, C * b
+    return R * b, min(STRIP_BLOCKS, C) * b
+
+
+def _dw_tile_rows(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]:
+    """The CTA rows of the "tiles" layout of :func:`dw_table`, without its spare rows: rectangle by rectangle
+    (row band, then column band), one CTA per rectangle, or several of near-equal counts cut in row order where it
+    holds more than ``cap`` blocks; each stages the rows and columns its blocks span. With bias, the first CTA
+    of each row band stages the whole band and sums its bias columns (a bias-only CTA where the band holds no
+    block)."""
+    R, C = meta.grid
+    nr, nc = dw_tiles(meta.grid, meta.n_blocks, cap)
+    rr, cc = meta.row_idx.tolist(), meta.col_idx.tolist()   # slot order is (row, column) order
+    row_band = [i for i in range(nr) for _ in range(i * R // nr, (i + 1) * R // nr)]
+    col_band = [j for j in range(nc) for _ in range(j * C // nc, (j + 1) * C // nc)]
+    cells = [[[] for _ in range(nc)] for _ in range(nr)]
+    for s, (r, c) in enumerate(zip(rr, cc)):
+        cells[row_band[r]][col_band[c]].append(s)
+    ctas, order = [], []  # CTA rows as in _dw_rows (block units); the slots in block position order
+    for i, band in enumerate(cells):
+        band_first = len(ctas)
+        for slots in band:
+            parts = _cdiv(len(slots), cap)
+            for q in range(parts):
+                part = slots[q * len(slots) // parts:(q + 1) * len(slots) // parts]
+                ctas.append([len(order), len(part), rr[part[0]], rr[part[-1]] + 1,
+                             min(cc[s] for s in part), max(cc[s] for s in part) + 1, 0, 0])
+                order += part
+        if with_bias:
+            lo, hi = i * R // nr, (i + 1) * R // nr
+            if len(ctas) > band_first:
+                ctas[band_first][2:4] = ctas[band_first][6:8] = [lo, hi]
+            else:
+                ctas.append([0, 0, lo, hi, 0, 0, lo, hi])
+    return _pack(meta, ctas, order, [rr[s] for s in order], [cc[s] for s in order])
+
+
+def _tile_widths(meta, cap: int) -> tuple[int, int]:
+    (R, C), b = meta.grid, meta.block_rows
+    nr, nc = dw_tiles(meta.grid, meta.n_blocks, cap)
+    return _cdiv(R, nr) * b, _cdiv(C, nc) * b
+
+
+def _tile_most(meta, cap: int) -> int:
+    """No topology of this grid and active count needs more "tiles" CTAs: a rectangle of ``k > 0`` blocks takes
+    ``ceil(k / cap) <= 1 + (k - 1) // cap`` CTAs and a band without blocks one (it has ``nc`` empty rectangles)."""
+    nr, nc = dw_tiles(meta.grid, meta.n_blocks, cap)
+    return nr * nc + meta.n_blocks // cap
+
+
+def _pack(meta, ctas: list[list[int]], order: list[int], rr: list[int], cc: list[int]
+          ) -> tuple[Tensor, Tensor, int, int]:
+    """``(cta, blk, a_width, b_width)`` of CTA rows in block units (first, count, dY block range, X block range,
+    bias block range) over the blocks in position order (slot ``order[k]`` at block row ``rr[k]``, column
+    ``cc[k]``): offsets and widths in columns, the widths those of the widest staged ranges."""
+    b = meta.block
     pos_cta = {}
     for ci, c in enumerate(ctas):
         for k in range(c[0], c[0] + c[1]):
             pos_cta[k] = ci
-    for k in range(n):
+    blk = []
+    for k, slot in enumerate(order):
         c = ctas[pos_cta[k]]
-        blk.append([order[k], (rr[k] - c[2]) * b, (cc[k] - c[4]) * b, 0])
+        blk.append([slot, (rr[k] - c[2]) * b, (cc[k] - c[4]) * b, 0])
     a_width = max((c[3] - c[2]) * b for c in ctas) if ctas else b
     b_width = max(((c[5] - c[4]) * b for c in ctas), default=b) or b
     dev = meta.device
@@ -198,11 +304,24 @@ def _dw_rows(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]
             torch.tensor(blk or [[0, 0, 0, 0]], dtype=torch.int32, device=dev), a_width, b_width)
 
 
+class _Layout(NamedTuple):
+    rows: Callable    # (meta, with_bias, cap) -> (cta, blk, a_width, b_width), no spare rows
+    widths: Callable  # (meta, cap) -> the staged widths any topology of the grid and active count fits
+    most: Callable    # (meta, cap) -> CTAs no such topology exceeds (0: no bound)
+
+
+#: The CTA layouts of the weight-gradient kernel, by the name a tuner config carries.
+DW_LAYOUTS: dict[str, _Layout] = {
+    "strips": _Layout(_dw_rows, _strip_widths, lambda meta, cap: 0),
+    "tiles": _Layout(_dw_tile_rows, _tile_widths, _tile_most),
+}
+
+
 def _refill_dw_table(new, key: tuple, value) -> list[tuple[Tensor, Tensor]] | None:
     """The new topology's CTA rows in the kept table, if they fit: no more CTAs than its rows (the staged widths
     are the largest any topology needs, :func:`dw_widths`)."""
     cta, blk, aw, bw = value
-    fresh, fresh_blk, new_aw, new_bw = _dw_rows(new, key[1], key[2])
+    fresh, fresh_blk, new_aw, new_bw = DW_LAYOUTS[key[3]].rows(new, key[1], key[2])
     if fresh.shape[0] > cta.shape[0] or new_aw > aw or new_bw > bw or fresh_blk.shape != blk.shape:
         return None
     return [(cta, torch.cat([fresh, fresh.new_zeros(cta.shape[0] - fresh.shape[0], 8)])), (blk, fresh_blk)]

@@ -275,7 +275,7 @@ def test_cuda_tables_follow_an_in_place_rewrite():
         used = int((fcta[:, 1] > 0).sum() + (fcta[:, 7] > fcta[:, 6]).logical_and(fcta[:, 1] == 0).sum())
         assert torch.equal(blk, fblk) and faw <= aw and fbw <= bw
         assert torch.equal(cta[:used], fcta[:used]) and not cta[used:].any()   # spare rows: no work
-    assert kept["dw"][0] is meta._groups[("bs_dw_table", True, 128)][0]
+    assert kept["dw"][0] is meta._groups[("bs_dw_table", True, 128, "strips")][0]
 
     # a topology that needs more CTAs than the kept table has rows: refused, nothing changed. (The staged widths
     # are the largest any topology needs, so only the rows can run out; here the spare rows are taken away.)
@@ -283,9 +283,9 @@ def test_cuda_tables_follow_an_in_place_rewrite():
     narrow.view(-1)[: int(mask.sum())] = True          # all blocks in the first 5 block rows
     meta = BlockSparseMeta.from_mask(mask, 16)
     tables = _cuda_tables(meta)
-    key, used = ("bs_dw_table", True, 128), dw_ctas_used(meta, True, 128)
+    key, used = ("bs_dw_table", True, 128, "strips"), dw_ctas_used(meta, True, 128)
     cta, blk, aw, bw = tables["dw"]
-    assert (aw, bw) == dw_widths(meta) == (512, 512) and cta.shape[0] == used + max(8, used // 4)
+    assert (aw, bw) == dw_widths(meta, 128) == (512, 512) and cta.shape[0] == used + max(8, used // 4)
     meta._groups[key] = (cta[:used].clone(), blk, aw, bw)
     needed = dw_ctas_used(BlockSparseMeta.from_mask(narrow, 16), True, 128)
     assert needed > used                               # bias-only CTAs for the 43 empty rows
@@ -296,11 +296,12 @@ def test_cuda_tables_follow_an_in_place_rewrite():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["strips", "tiles"])
 @pytest.mark.parametrize("ks", [False, True])
-def test_gpu_cuda_plans_follow_an_in_place_rewrite(ks, poison):
-    """The CUDA plans (X-stationary or K-streamed forward / dX, the weight gradient with its spare CTA rows)
-    kept on a metadata compute a new topology after BlockSparseMeta.rewrite_, with no plan rebuilt: what a CUDA
-    graph that launched them replays after a mask update."""
+def test_gpu_cuda_plans_follow_an_in_place_rewrite(ks, layout, poison):
+    """The CUDA plans (X-stationary or K-streamed forward / dX, the weight gradient in either CTA layout with its
+    spare CTA rows) kept on a metadata compute a new topology after BlockSparseMeta.rewrite_, with no plan
+    rebuilt: what a CUDA graph that launched them replays after a mask update."""
     torch.backends.cuda.matmul.allow_tf32 = False
     (I, O), b = ((1600, 768) if ks else (768, 1024)), 16
     gen = torch.Generator().manual_seed(7)
@@ -310,7 +311,7 @@ def test_gpu_cuda_plans_follow_an_in_place_rewrite(ks, poison):
     probe = x if ks else torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
     fwd = (_cuda.ks_candidates(probe, b, I) if ks else _cuda.candidates(probe, b, I))[0]
     tiles = dict(fwd=fwd, dx=_cuda.candidates(torch.empty(1, O, device="cuda", dtype=torch.bfloat16), b, O)[0],
-                 dw=_cuda.DW_CANDIDATES[0])
+                 dw=_cuda.CudaDwConfig(32, layout))
 
     def check() -> None:
         values = (torch.randn(meta.n_blocks, b, b, device="cuda") / b).to(torch.bfloat16).requires_grad_()
