@@ -287,21 +287,27 @@ def _pack(meta, ctas: list[list[int]], order: list[int], rr: list[int], cc: list
     """``(cta, blk, a_width, b_width)`` of CTA rows in block units (first, count, dY block range, X block range,
     bias block range) over the blocks in position order (slot ``order[k]`` at block row ``rr[k]``, column
     ``cc[k]``): offsets and widths in columns, the widths those of the widest staged ranges."""
-    b = meta.block
-    pos_cta = {}
-    for ci, c in enumerate(ctas):
-        for k in range(c[0], c[0] + c[1]):
-            pos_cta[k] = ci
-    blk = []
-    for k, slot in enumerate(order):
-        c = ctas[pos_cta[k]]
-        blk.append([slot, (rr[k] - c[2]) * b, (cc[k] - c[4]) * b, 0])
-    a_width = max((c[3] - c[2]) * b for c in ctas) if ctas else b
-    b_width = max(((c[5] - c[4]) * b for c in ctas), default=b) or b
-    dev = meta.device
-    return (torch.tensor([[c[0], c[1], c[2] * b, (c[3] - c[2]) * b, c[4] * b, (c[5] - c[4]) * b, c[6] * b,
-                           c[7] * b] for c in ctas] or [[0] * 8], dtype=torch.int32, device=dev),
-            torch.tensor(blk or [[0, 0, 0, 0]], dtype=torch.int32, device=dev), a_width, b_width)
+    b, dev = meta.block, meta.device
+    rows = torch.tensor(ctas or [[0] * 8], dtype=torch.long)
+    first, count = rows[:, 0], rows[:, 1]
+    # the CTA of each block position: CTA ci covers positions first[ci] .. first[ci] + count[ci] - 1
+    cta_of = torch.repeat_interleave(torch.arange(rows.shape[0]), count)
+    pos = torch.repeat_interleave(first - (count.cumsum(0) - count), count) + torch.arange(int(count.sum()))
+    owner = torch.empty(len(order), dtype=torch.long)
+    owner[pos] = cta_of
+    blk = torch.zeros(len(order), 4, dtype=torch.long)
+    if order:
+        blk[:, 0] = torch.tensor(order)
+        blk[:, 1] = (torch.tensor(rr) - rows[owner, 2]) * b
+        blk[:, 2] = (torch.tensor(cc) - rows[owner, 4]) * b
+    a_width = int((rows[:, 3] - rows[:, 2]).max()) * b if ctas else b
+    b_width = int((rows[:, 5] - rows[:, 4]).max()) * b if ctas else b
+    out = rows * b
+    out[:, :2] = rows[:, :2]
+    out[:, 3], out[:, 5] = (rows[:, 3] - rows[:, 2]) * b, (rows[:, 5] - rows[:, 4]) * b
+    return (out.to(device=dev, dtype=torch.int32),
+            (blk if order else torch.zeros(1, 4, dtype=torch.long)).to(device=dev, dtype=torch.int32),
+            a_width, b_width or b)
 
 
 class _Layout(NamedTuple):
