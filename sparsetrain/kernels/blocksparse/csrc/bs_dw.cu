@@ -1,15 +1,15 @@
 // Sampled weight gradient of block-sparse TRAINING at 16x16 blocks: dvalues[s] += dY[:, r]ᵀ · X[:, c] for
 // every active block s = (r, c), summed over tokens, fp32, plus (optionally) the bias gradient Σ_t dY.
 //
-// Why: the Triton kernel (_blocksparse_triton.py sampled_grad_kernel) gives each group of blocks its own pass
-// over the tokens and gathers the 16-wide X strip of every block, so X is re-read once per active block in
-// 32-byte row segments (~1 GB of L2 traffic at T = 16384, 1024 -> 4096, 10%). Here the operands are staged
-// per token chunk: one of them whole (the narrower of X and dY, "full"), the other as the column strip that the
-// CTA's blocks touch; every warp then accumulates up to MAXB blocks in registers (ldmatrix.trans gives both
-// the dYᵀ and the X fragments) across ALL chunks of its token split, and adds them to the output with one
-// float2 atomic per register pair at the end. The host (_blocksparse_cuda.py) builds the CTA table: blocks
-// in row order (X full) or column order (dY full), cut into CTAs of <= WARPS * MAXB blocks whose strip is at
-// most 32 blocks wide, and a disjoint range of bias columns (dY columns) per CTA inside its A range.
+// Why: the Triton kernel (_triton.py sampled_grad_kernel) gives each group of blocks its own pass over the
+// tokens and gathers the 16-wide X strip of every block, so X is re-read once per active block in 32-byte row
+// segments (~1 GB of L2 traffic at T = 16384, 1024 -> 4096, 10%). Here the operands are staged per token chunk:
+// the range of dY columns and the range of X columns that the CTA's blocks touch; every warp then accumulates
+// up to MAXB blocks in registers (ldmatrix.trans gives both the dYᵀ and the X fragments) across ALL chunks of
+// its token split, and adds them to the output with one float2 atomic per register pair at the end. The host
+// (_cuda_tables.py dw_table) builds the CTA table of <= WARPS * MAXB blocks per CTA in one of two layouts
+// ("strips": the narrower of X and dY staged whole, the other as a strip of at most 32 blocks; "tiles":
+// rectangles of the block grid), with a disjoint range of bias columns (dY columns) per CTA inside its A range.
 #include "common.cuh"
 
 namespace {
