@@ -478,23 +478,20 @@ CSV_COLUMNS = ["method", "label", "target_density", "density", "block", "seed", 
 _TABLE_NEEDS = [c for c in CSV_COLUMNS if c not in ("label", "frontier")]
 
 
-def _mixed_modes(runs: Sequence[RunResult]) -> list[str]:
-    """A warning paragraph when the runs trained in different step modes (their seconds do not compare)."""
-    modes = sorted({r.step_mode for r in runs if r.step_mode})
-    if len(modes) < 2:
+def _mixed(runs: Sequence[RunResult], attr: str, each: str, what: str, where: str = "") -> list[str]:
+    """A warning paragraph when the runs differ in ``attr`` (their seconds do not compare): ``each`` formats
+    one value's count (``{n}``, ``{v}``), ``what`` says what differs, ``where`` where to read it."""
+    values = sorted({getattr(r, attr) for r in runs if getattr(r, attr)})
+    if len(values) < 2:
         return []
-    counts = ", ".join(f"{sum(r.step_mode == m for r in runs)} {m}" for m in modes)
-    return [f"**Warning:** the runs trained in different step modes ({counts}; summary.json `step_mode`): their "
-            "GPU-seconds do not compare.", ""]
+    counts = ", ".join(each.format(n=sum(getattr(r, attr) == v for r in runs), v=v) for v in values)
+    return [f"**Warning:** the runs trained {what} ({counts}{where}): their GPU-seconds do not compare.", ""]
 
 
-def _mixed_devices(runs: Sequence[RunResult]) -> list[str]:
-    """A warning paragraph when the runs trained on different devices (an H100's seconds are not an H200's)."""
-    devices = sorted({r.device for r in runs if r.device})
-    if len(devices) < 2:
-        return []
-    counts = ", ".join(f"{sum(r.device == d for r in runs)} on {d}" for d in devices)
-    return [f"**Warning:** the runs trained on different devices ({counts}): their GPU-seconds do not compare.", ""]
+def _mixed_runs(runs: Sequence[RunResult]) -> list[str]:
+    """The warnings for runs of different step modes or devices (an H100's seconds are not an H200's)."""
+    return [*_mixed(runs, "step_mode", "{n} {v}", "in different step modes", "; summary.json `step_mode`"),
+            *_mixed(runs, "device", "{n} on {v}", "on different devices")]
 
 
 def write_tables(runs: Sequence[RunResult], out: str | os.PathLike) -> tuple[Path, Path]:
@@ -525,7 +522,7 @@ def write_tables(runs: Sequence[RunResult], out: str | os.PathLike) -> tuple[Pat
     lines = [f"# Final eval loss vs training cost: {len(runs)} runs ({devices}, {when})", "",
              "GPU s: seconds of the training steps once the run is going (start-up, evaluation and checkpoints "
              "left out) x processes. **Bold**: on its method's frontier (FLOPs, time).", "",
-             *_mixed_modes(runs), *_mixed_devices(runs),
+             *_mixed_runs(runs),
              "| method | density | block | seed | steps | training FLOPs | GPU s | final eval loss | frontier | "
              "status | run |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ordered:
@@ -738,7 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(",".join(str(steps) for steps, _ in chosen))
         return 0
     print(format_table(runs))
-    for line in (*_mixed_modes(runs), *_mixed_devices(runs)):
+    for line in _mixed_runs(runs):
         if line:
             print(line.replace("**", ""), file=sys.stderr)
     try:

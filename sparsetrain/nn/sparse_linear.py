@@ -173,7 +173,7 @@ class SparseLinear(nn.Module):
 
     @property
     def n_active(self) -> int:
-        return int(self.mask.sum().item())
+        return self.storage.n_active(self)
 
     @property
     def format_name(self) -> str:

@@ -286,15 +286,12 @@ def _pack(meta, ctas: list[list[int]], order: list[int], rr: list[int], cc: list
           ) -> tuple[Tensor, Tensor, int, int]:
     """``(cta, blk, a_width, b_width)`` of CTA rows in block units (first, count, dY block range, X block range,
     bias block range) over the blocks in position order (slot ``order[k]`` at block row ``rr[k]``, column
-    ``cc[k]``): offsets and widths in columns, the widths those of the widest staged ranges."""
+    ``cc[k]``; the CTAs with blocks take consecutive positions in table order): offsets and widths in columns, the
+    widths those of the widest staged ranges."""
     b, dev = meta.block, meta.device
     rows = torch.tensor(ctas or [[0] * 8], dtype=torch.long)
-    first, count = rows[:, 0], rows[:, 1]
-    # the CTA of each block position: CTA ci covers positions first[ci] .. first[ci] + count[ci] - 1
-    cta_of = torch.repeat_interleave(torch.arange(rows.shape[0]), count)
-    pos = torch.repeat_interleave(first - (count.cumsum(0) - count), count) + torch.arange(int(count.sum()))
-    owner = torch.empty(len(order), dtype=torch.long)
-    owner[pos] = cta_of
+    # the CTA of each block position: the CTAs with blocks cover consecutive positions in table order
+    owner = torch.repeat_interleave(torch.arange(rows.shape[0]), rows[:, 1])
     blk = torch.zeros(len(order), 4, dtype=torch.long)
     if order:
         blk[:, 0] = torch.tensor(order)

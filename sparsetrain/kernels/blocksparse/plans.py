@@ -54,7 +54,7 @@ def _chosen_plan(meta: BlockSparseMeta, kept: set, built: dict, cfg, p: Product)
     on the metadata (every key added since ``kept``) go and the chosen plan is built again: a mask update
     refills everything kept on the metadata (BlockSparseMeta.rewrite_), so what no plan reads would cost host
     time at every update."""
-    chosen = (type(cfg), cfg)
+    chosen = tuner.config_key(cfg)
     if not any(k != chosen for k in built):
         return built.get(chosen) or tuner.make_plan(cfg, p)
     for k in set(meta._groups) - kept - {"plans", "calls"}:
@@ -93,7 +93,7 @@ def dds_planned(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor |
     built: dict = {}  # one plan per candidate while tuning, by (config type, config): timing excludes building
 
     def launch(cfg) -> Tensor:
-        k = (type(cfg), cfg)   # configs are tuples: two backends' could be equal
+        k = tuner.config_key(cfg)
         if k not in built:
             built[k] = tuner.make_plan(cfg, p)
         if HOOKS.poison:   # one output buffer for every candidate: the tuner's check poisons it first
@@ -134,7 +134,7 @@ def sampled_grad_planned(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias
         built: dict = {}
 
         def launch(cfg) -> tuple[Tensor, Tensor | None]:
-            k = (type(cfg), cfg)
+            k = tuner.config_key(cfg)
             if k not in built:
                 built[k] = tuner.make_plan(cfg, p)
             return run_dw(built[k], x, dy, meta, with_bias, out_dtype)

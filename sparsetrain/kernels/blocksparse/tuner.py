@@ -121,6 +121,11 @@ def candidates(p: Product) -> list:
     return [c for b in _BACKENDS for c in b.candidates(p)]
 
 
+def config_key(config) -> tuple:
+    """What tells configs apart: they are tuples, and two backends' could be equal."""
+    return type(config), config
+
+
 def make_plan(config, p: Product):
     return backend_of(config).make_plan(config, p)
 
@@ -234,7 +239,7 @@ def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: C
     if disk_key:
         hit = kept.lookup(disk_key, _config_types())
         # only a config offered here (a candidate may depend on what the key does not say, e.g. nvcc present)
-        if hit is not None and any(type(c) is type(hit[0]) and c == hit[0] for c in cands):
+        if hit is not None and any(config_key(c) == config_key(hit[0]) for c in cands):
             _TUNED[full], _TIMED[full] = hit
             return hit[0]
     timed = time_candidates(kind, key, cands, launch, timer or _do_bench, check=timer is None)

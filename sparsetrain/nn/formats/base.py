@@ -86,6 +86,10 @@ class WeightFormat:
     def weight_parameter(self, layer: nn.Module) -> nn.Parameter:
         raise NotImplementedError
 
+    def n_active(self, layer: nn.Module) -> int:
+        """Active blocks of the layer's mask (a format that keeps the count on the host answers without a sync)."""
+        return int(layer.mask.sum().item())
+
     @classmethod
     def plan_kernels(cls, layers: dict[str, nn.Module], tokens: int) -> list[dict]:
         """Choose kernels for these layers (all of this format) at ``tokens`` rows per step; one record per

@@ -172,5 +172,8 @@ class BlockFormat(WeightFormat):
     def weight_parameter(self, layer):
         return layer.values
 
+    def n_active(self, layer) -> int:
+        return self.meta(layer).n_blocks   # the count the format keeps, on the host
+
     def extra_repr(self) -> str:
         return "block"
