@@ -162,6 +162,31 @@ def test_gpu_cuda_dw_every_tile(dtype, pattern, I, O):
     assert built and all(isinstance(p, _cuda.CudaDwPlan) for p in built)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_cuda_dw_bias_ranges_wider_than_the_tensor_core_groups(dtype):
+    """A CTA whose bias range is wider than the 2 x WARPS 16-column groups its warps sum on the tensor cores
+    (512 columns): the columns past them are summed by threads. 2048 -> 1024 with few blocks: one "strips" CTA
+    stages dY whole and sums all 1024 bias columns."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    I, O = 2048, 1024
+    mask = torch.zeros(O // 16, I // 16, dtype=torch.bool)
+    mask[[0, 5, 63], [7, 20, 12]] = True               # one X strip: one CTA, whose bias range is all of dY
+    meta = BlockSparseMeta.from_mask(mask, 16).to("cuda")
+    cta = dw_table(meta, True, 128, "strips")[0].cpu()
+    assert int((cta[:, 7] - cta[:, 6]).max()) > 512     # the case under test: some range past the mma groups
+    x = torch.randn(3000 + 7, I, device="cuda", dtype=dtype)
+    dy = torch.randn(3000 + 7, O, device="cuda", dtype=dtype)
+    _, dv_ref, db_ref = reference_grads(x.float(), dy.float(), torch.zeros(meta.n_blocks, 16, 16, device="cuda"),
+                                        meta)
+    tiles = _cuda.dw_candidates(x, dy, meta, True)
+    assert tiles
+    for cfg in tiles:
+        with forced_config(dw=cfg):
+            dv, db = plans.sampled_grad(x, dy, meta, with_bias=True)
+        assert rel(dv, dv_ref) < 1e-4 and rel(db, db_ref) < 1e-4, cfg
+
+
 def test_cuda_dw_table_covers_every_block_and_bias_column():
     """The weight-gradient kernel's CTA table (plain torch, runs here): every block in exactly one CTA at
     offsets inside that CTA's staged column ranges, strips no wider than STRIP_BLOCKS, and bias ranges that

@@ -18,6 +18,7 @@ using namespace sparsetrain;
 constexpr int BLK = 16;
 constexpr int WARPS = 16;
 constexpr int MAXB = 8;  // blocks per warp (8 x 8 fp32 accumulator registers)
+constexpr int BIAS_G = 2;  // 16-column bias groups per warp summed on the tensor cores (4 registers each)
 
 struct Cta {       // two int4 per CTA in the table
   int first, n;    // its blocks in the order list
@@ -62,23 +63,30 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
   const int stage_halves = TC * (a.a_stride + a.b_stride);
   const int n_chunks = (te - ts + TC - 1) / TC;
 
+  // Each thread's 16-byte copies of a chunk are the same (row, column) positions in every chunk: element
+  // i = threadIdx.x + k * NT of the row-major [TC, cpr] grid. They are walked by adding NT as (rows, columns)
+  // with a carry, so the copy loop has no integer division per copy.
+  constexpr int NT = WARPS * 32;
+  auto stage = [&](uint16_t* dst, int dst_stride, const uint16_t* src, int ld, int col0, int cpr, int row0) {
+    if (cpr == 0) return;
+    const int dr = NT / cpr, dc = NT - dr * cpr;  // (recomputed per chunk: registers are the scarce thing)
+    int r = threadIdx.x / cpr, cc = threadIdx.x - r * cpr;
+    for (; r < TC; r += dr) {
+      const bool ok = row0 + r < te;
+      cp_async16(dst + r * dst_stride + cc * 8,
+                 src + (ok ? static_cast<long long>(row0 + r) * ld + col0 + cc * 8 : 0), ok ? 16 : 0);
+      cc += dc;
+      if (cc >= cpr) {
+        cc -= cpr;
+        ++r;
+      }
+    }
+  };
   auto load = [&](int ch, int st) {  // token chunk ch: dY[:, a range] then X[:, b range], rows past te zero
     uint16_t* as = smem + st * stage_halves;
-    uint16_t* bs = as + TC * a.a_stride;
-    const int a_cpr = c.a_ncols >> 3, b_cpr = c.b_ncols >> 3;
     const int row0 = ts + ch * TC;
-    for (int i = threadIdx.x; i < TC * a_cpr; i += WARPS * 32) {
-      const int r = i / a_cpr, col = (i - r * a_cpr) * 8;
-      const bool ok = row0 + r < te;
-      cp_async16(as + r * a.a_stride + col, a.dy + (ok ? static_cast<long long>(row0 + r) * a.sdy + c.a_col0 + col : 0),
-                 ok ? 16 : 0);
-    }
-    for (int i = threadIdx.x; i < TC * b_cpr; i += WARPS * 32) {
-      const int r = i / b_cpr, col = (i - r * b_cpr) * 8;
-      const bool ok = row0 + r < te;
-      cp_async16(bs + r * a.b_stride + col, a.x + (ok ? static_cast<long long>(row0 + r) * a.sx + c.b_col0 + col : 0),
-                 ok ? 16 : 0);
-    }
+    stage(as, a.a_stride, a.dy, a.sdy, c.a_col0, c.a_ncols >> 3, row0);
+    stage(as + TC * a.a_stride, a.b_stride, a.x, a.sx, c.b_col0, c.b_ncols >> 3, row0);
     cp_async_commit();
   };
 
@@ -99,10 +107,19 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][nt][i] = 0.f;
-  // bias: thread i sums dY columns bias_c0 + 2i, + 1 (relative to the staged A range)
-  const int nbias = (c.bias_c1 - c.bias_c0) >> 1;
-  const bool do_bias = a.db != nullptr && threadIdx.x < nbias;
-  const int bias_col = c.bias_c0 - c.a_col0 + 2 * threadIdx.x;
+  // bias: column sums of dY on the tensor cores, dYᵀ fragment x a ones fragment (each row of the 16 x 8 result
+  // is one column's sum): warp w sums the 16-column groups w and w + WARPS of the CTA's bias range; columns past
+  // the first 2 * WARPS groups (a "tiles" row band wider than 32 blocks) are summed by threads, two columns each
+  const int bias_n = a.db != nullptr ? c.bias_c1 - c.bias_c0 : 0;
+  const int bias_a = c.bias_c0 - c.a_col0;  // the range's offset in the staged A range (halves)
+  float bacc[BIAS_G][4];
+#pragma unroll
+  for (int q = 0; q < BIAS_G; ++q)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bacc[q][i] = 0.f;
+  const uint32_t ones = BF16 ? 0x3F803F80u : 0x3C003C00u;  // 1.0 twice, bf16 or fp16
+  const int bias_col = bias_a + BIAS_G * WARPS * BLK + 2 * threadIdx.x;  // the threads' columns
+  const bool do_bias = bias_col - bias_a < bias_n;
   float bsum0 = 0.f, bsum1 = 0.f;
 
   const int lq = lane >> 3, l8 = lane & 7;
@@ -138,6 +155,18 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
         mma16816<BF16>(acc[j][1], af, bf[2], bf[3]);
       }
     }
+#pragma unroll
+    for (int q = 0; q < BIAS_G; ++q) {
+      const int col = (warp + q * WARPS) * BLK;
+      if (col < bias_n) {  // warp-uniform
+#pragma unroll
+        for (int ks = 0; ks < TC / 16; ++ks) {
+          uint32_t af[4];
+          ldsm_x4_t(af, as + 2u * (a_lane + ks * 16 * a.a_stride + bias_a + col));
+          mma16816<BF16>(bacc[q], af, ones, ones);
+        }
+      }
+    }
     if (do_bias) {
       const uint16_t* ap = smem + st * stage_halves + bias_col;
 #pragma unroll 8
@@ -162,8 +191,17 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
           add2(d + (g + 8 * h) * BLK + nt * 8 + 2 * t4, acc[j][nt][2 * h], acc[j][nt][2 * h + 1]);
     }
   }
-  if (do_bias && n_chunks > 0)
-    add2(a.db + c.bias_c0 + 2 * threadIdx.x, bsum0, bsum1);
+  if (n_chunks > 0) {
+#pragma unroll
+    for (int q = 0; q < BIAS_G; ++q) {  // row g and g + 8 of the group: the columns' sums (every column equal)
+      const int col = (warp + q * WARPS) * BLK;
+      if (col < bias_n && t4 == 0) {
+        atomicAdd(a.db + c.bias_c0 + col + g, bacc[q][0]);
+        atomicAdd(a.db + c.bias_c0 + col + g + 8, bacc[q][2]);
+      }
+    }
+    if (do_bias) add2(a.db + c.bias_c0 + bias_col - bias_a, bsum0, bsum1);
+  }
 }
 
 template <int TC, bool BF16>
