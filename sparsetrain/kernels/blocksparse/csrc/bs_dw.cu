@@ -100,6 +100,15 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
     a_off[j] = inf.y;
     b_off[j] = inf.z;
   }
+  // consecutive blocks of a warp often share a block row (the table's order: row-major, or column-major where dY
+  // is staged whole), so their dYᵀ (or X) fragment is loaded once: bit j set = block j loads its own
+  unsigned a_new = 1u, b_new = 1u;
+#pragma unroll
+  for (int j = 1; j < MAXB; ++j) {
+    a_new |= static_cast<unsigned>(a_off[j] != a_off[j - 1]) << j;
+    b_new |= static_cast<unsigned>(b_off[j] != b_off[j - 1]) << j;
+  }
+  const bool share_a = __popc(a_new) <= __popc(b_new);  // warp-uniform: the offsets are the warp's
   float acc[MAXB][2][4];
 #pragma unroll
   for (int j = 0; j < MAXB; ++j)
@@ -141,20 +150,26 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
     __syncthreads();
     const uint32_t as = smem_addr + 2u * st * stage_halves;
     const uint32_t bs = as + 2u * TC * a.a_stride;
+    // no per-block branch: a warp with fewer than MAXB blocks computes its empty slots on offset 0 and never
+    // writes them, so the compiler can issue every ldmatrix of the step ahead of the mma that needs it
+    // (ncu with the branch: 33% of the stall cycles waiting on shared-memory loads, 4 warps per scheduler).
+    // The one fragment shared by consecutive blocks is loaded where it changes (SHARE_A: the dYᵀ one).
+    auto products = [&](auto share_a) {
+      constexpr bool SHARE_A = decltype(share_a)::value;
 #pragma unroll
-    for (int ks = 0; ks < TC / 16; ++ks) {
-      // no per-block branch: a warp with fewer than MAXB blocks computes its empty slots on offset 0 and never
-      // writes them, so the compiler can issue every ldmatrix of the step ahead of the mma that needs it
-      // (ncu with the branch: 33% of the stall cycles waiting on shared-memory loads, 4 warps per scheduler)
-#pragma unroll
-      for (int j = 0; j < MAXB; ++j) {
+      for (int ks = 0; ks < TC / 16; ++ks) {
         uint32_t af[4], bf[4];
-        ldsm_x4_t(af, as + 2u * (a_lane + ks * 16 * a.a_stride + a_off[j]));
-        ldsm_x4_t(bf, bs + 2u * (b_lane + ks * 16 * a.b_stride + b_off[j]));
-        mma16816<BF16>(acc[j][0], af, bf[0], bf[1]);
-        mma16816<BF16>(acc[j][1], af, bf[2], bf[3]);
+#pragma unroll
+        for (int j = 0; j < MAXB; ++j) {
+          if (!SHARE_A || (a_new >> j & 1u)) ldsm_x4_t(af, as + 2u * (a_lane + ks * 16 * a.a_stride + a_off[j]));
+          if (SHARE_A || (b_new >> j & 1u)) ldsm_x4_t(bf, bs + 2u * (b_lane + ks * 16 * a.b_stride + b_off[j]));
+          mma16816<BF16>(acc[j][0], af, bf[0], bf[1]);
+          mma16816<BF16>(acc[j][1], af, bf[2], bf[3]);
+        }
       }
-    }
+    };
+    if (share_a) products(std::true_type{});
+    else products(std::false_type{});
 #pragma unroll
     for (int q = 0; q < BIAS_G; ++q) {
       const int col = (warp + q * WARPS) * BLK;
