@@ -196,7 +196,9 @@ def last_error_line(text: str) -> str:
 
 
 def read_run(run_dir: Path) -> dict:
-    """The numbers of one finished run: its summary's throughput and step counts, peak memory, window times
+    """The numbers of one finished run: its summary's throughput and step counts, peak memory (``peak_gb``: the
+    largest per-window ``step_peak_mem_gb`` outside the startup windows, or, for runs without such rows, the largest
+    ``peak_mem_gb``; ``startup_peak_gb``: the whole run's, tuning, compile and capture included), window times
     (``[end_step, steps, seconds]``) and the steps of its mask updates."""
     from sparsetrain.training.metrics import read_metrics, read_summary
 
@@ -212,7 +214,9 @@ def read_run(run_dir: Path) -> dict:
         items.append(r[rate_key] * (r["elapsed_s"] - prev_s))
         prev_step, prev_s = r["step"], r["elapsed_s"]
     peaks = [r["peak_mem_gb"] for r in train if "peak_mem_gb" in r]
-    return {"rate_key": rate_key, "rate": summary.get(rate_key), "peak_gb": max(peaks) if peaks else None,
+    steady = [r["step_peak_mem_gb"] for r in train if "step_peak_mem_gb" in r and not r.get("startup")]
+    return {"rate_key": rate_key, "rate": summary.get(rate_key), "peak_gb": max(steady or peaks, default=None),
+            "startup_peak_gb": max(peaks, default=None),
             "windows": windows, "window_items": items,
             "updates": [r["step"] for r in rows if r.get("event") == "mask_update"],
             "flops_per_step": summary.get("flops_per_step_sparse"),   # what runs (dense: the dense count)
@@ -260,9 +264,9 @@ def steady_rate(run: dict, interval: float | None) -> dict | None:
 
 def build_table(runs: list[dict], baseline: str = "dense", gemm_tflops: float | None = None) -> list[dict]:
     """Rows of the table: each run with its ratios to the baseline (same mode; the baseline's fastest mode),
-    its memory ratio, its model FLOP rate (``sparsetrain.flops``' count of what the step runs, per second) and
-    that rate's share of ``gemm_tflops`` (a bf16 GEMM measured on the same GPU), and, for dynamic variants, the
-    update cost amortised over the recipe's interval."""
+    its memory ratio (of the steady-state peaks, ``peak_gb``), its model FLOP rate (``sparsetrain.flops``' count of
+    what the step runs, per second) and that rate's share of ``gemm_tflops`` (a bf16 GEMM measured on the same GPU),
+    and, for dynamic variants, the update cost amortised over the recipe's interval."""
     base = {r["mode"]: r for r in runs if r["variant"] == baseline and r.get("rate")}
     best = max((r["rate"] for r in base.values()), default=None)
     rows = []
@@ -294,7 +298,7 @@ def _num(v, fmt: str, none: str = "-") -> str:
 def format_table(rows: list[dict]) -> str:
     unit = next((r["rate_key"].split("_")[0] for r in rows if r.get("rate_key")), "tokens")
     head = ["variant", "mode", f"{unit}/s", "x dense", "x dense best", "TFLOP/s", "% GEMM", "peak GB", "x mem",
-            "capt/eager", "update ms", "amortised"]
+            "startup GB", "capt/eager", "update ms", "amortised"]
     lines = []
     for r in rows:
         if r.get("error"):
@@ -306,7 +310,8 @@ def format_table(rows: list[dict]) -> str:
         lines.append([r["variant"], r["mode"], _num(r.get("rate"), ",.0f"), _num(r.get("x_dense"), ".3f"),
                       _num(r.get("x_dense_best"), ".3f"), _num(r.get("model_tflops"), ".0f"),
                       _num(r.get("of_gemm") and 100 * r["of_gemm"], ".0f"), _num(r.get("peak_gb"), ".2f"),
-                      _num(r.get("x_dense_mem"), ".3f"), f"{r.get('graph_captures', 0)}/{r.get('eager_steps', 0)}",
+                      _num(r.get("x_dense_mem"), ".3f"), _num(r.get("startup_peak_gb"), ".2f"),
+                      f"{r.get('graph_captures', 0)}/{r.get('eager_steps', 0)}",
                       _num(up.get("update_s") and 1e3 * up["update_s"], ".1f"), amort])
     widths = [max([len(head[i]), *(len(ln[i]) for ln in lines if len(ln) == len(head))]) for i in range(len(head))]
     fmt = [head, ["-" * w for w in widths], *lines]
@@ -390,8 +395,9 @@ class Bench:
                 raise RuntimeError(last)
             result.update(read_run(run_dir))
             self.say(f"{index} {name}: {result['rate']:,.0f} {result['rate_key'].replace('_per_s', '/s')}, peak "
-                     f"{_num(result['peak_gb'], '.2f')} GB, {result['graph_captures']} captures / "
-                     f"{result['eager_steps']} eager steps ({result['seconds']:.0f} s)")
+                     f"{_num(result['peak_gb'], '.2f')} GB (startup {_num(result['startup_peak_gb'], '.2f')} GB), "
+                     f"{result['graph_captures']} captures / {result['eager_steps']} eager steps "
+                     f"({result['seconds']:.0f} s)")
             self.done[name] = {"key": key, "result": result}
         except Exception as e:  # noqa: BLE001 - a failed run is a row of the table, the bench goes on
             result["error"] = str(e) or type(e).__name__

@@ -323,6 +323,7 @@ def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
     # rewrote its summary with no final_eval_loss)
     last_eval = _last_eval(read_metrics(run_dir), step) if step else None
     rate_key = "tokens_per_s" if seq_len else "samples_per_s"
+    peak_mem = 0.0   # GiB since the loop started: the statistics are reset after each window's row
     if torch.cuda.is_available() and not cpu:
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -392,10 +393,14 @@ def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
                            rate_key: window["items"] / max(window["time"], 1e-9),
                            "density": scheduler.density, "elapsed_s": elapsed}
                     if torch.cuda.is_available() and not cpu:
-                        row["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                        window_peak = torch.cuda.max_memory_allocated() / 2**30   # since the last reset
+                        peak_mem = max(peak_mem, window_peak)
+                        row["peak_mem_gb"], row["step_peak_mem_gb"] = peak_mem, window_peak
                     if step - window["steps"] <= first_step + run_step.warmup:
                         row["startup"] = True     # the window holds the process's tuning, compile or first capture
                     log(row)
+                    if "step_peak_mem_gb" in row:
+                        torch.cuda.reset_peak_memory_stats()      # the next row's step_peak_mem_gb: its window only
                     progress.update(step, loss=row["loss"], lr=row["lr"], **{rate_key: row[rate_key]})
                     window = {"loss": 0.0, "steps": 0, "items": 0, "time": 0.0}
                 if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
