@@ -49,6 +49,7 @@ class Report:
     def __init__(self, out_dir: str, argv: list[str]):
         self.results: dict = {}
         self.log: list[str] = []
+        os.makedirs(out_dir, exist_ok=True)   # --out may name a directory that does not exist yet
         self.path = os.path.join(out_dir, "bench_blocksparse.json")
         self.argv = argv
 

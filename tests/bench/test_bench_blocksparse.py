@@ -28,3 +28,13 @@ def test_replot_merges_runs_and_writes_png(tmp_path):
     png = tmp_path / "p.png"
     assert blocksparse.main(["--replot", str(a), str(b), "--plot", str(png)]) == 0
     assert png.stat().st_size > 10_000
+
+
+def test_report_creates_its_out_directory(tmp_path):
+    """--out may name a directory that does not exist yet: the report makes it before its first save (a GPU run
+    lost its candidates section to a FileNotFoundError there)."""
+    out = tmp_path / "new" / "dir"
+    rep = blocksparse.Report(str(out), ["sparsetrain", "bench", "blocksparse"])
+    rep.results["candidates"] = {"768x768": 1}
+    rep.save()
+    assert json.loads((out / "bench_blocksparse.json").read_text())["results"] == {"candidates": {"768x768": 1}}
