@@ -196,9 +196,9 @@ def last_error_line(text: str) -> str:
 
 
 def read_run(run_dir: Path) -> dict:
-    """The numbers of one finished run: its summary's throughput and step counts, peak memory (``peak_gb``: the
-    largest per-window ``step_peak_mem_gb`` outside the startup windows, or, for runs without such rows, the largest
-    ``peak_mem_gb``; ``startup_peak_gb``: the whole run's, tuning, compile and capture included), window times
+    """The numbers of one finished run: its summary's throughput and step counts, memory (``peak_gb``: the largest
+    per-window ``reserved_gb`` outside the startup window, or, for runs without such rows, the largest
+    ``peak_mem_gb``; ``startup_peak_gb``: the startup window's ``reserved_gb``: tuning, compile and capture), window times
     (``[end_step, steps, seconds]``) and the steps of its mask updates."""
     from sparsetrain.training.metrics import read_metrics, read_summary
 
@@ -214,9 +214,10 @@ def read_run(run_dir: Path) -> dict:
         items.append(r[rate_key] * (r["elapsed_s"] - prev_s))
         prev_step, prev_s = r["step"], r["elapsed_s"]
     peaks = [r["peak_mem_gb"] for r in train if "peak_mem_gb" in r]
-    steady = [r["step_peak_mem_gb"] for r in train if "step_peak_mem_gb" in r and not r.get("startup")]
+    steady = [r["reserved_gb"] for r in train if "reserved_gb" in r and not r.get("startup")]
+    startup = [r["reserved_gb"] for r in train if "reserved_gb" in r and r.get("startup")]
     return {"rate_key": rate_key, "rate": summary.get(rate_key), "peak_gb": max(steady or peaks, default=None),
-            "startup_peak_gb": max(peaks, default=None),
+            "startup_peak_gb": max(startup or peaks, default=None),
             "windows": windows, "window_items": items,
             "updates": [r["step"] for r in rows if r.get("event") == "mask_update"],
             "flops_per_step": summary.get("flops_per_step_sparse"),   # what runs (dense: the dense count)

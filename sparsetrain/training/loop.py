@@ -393,14 +393,17 @@ def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
                            rate_key: window["items"] / max(window["time"], 1e-9),
                            "density": scheduler.density, "elapsed_s": elapsed}
                     if torch.cuda.is_available() and not cpu:
-                        window_peak = torch.cuda.max_memory_allocated() / 2**30   # since the last reset
-                        peak_mem = max(peak_mem, window_peak)
-                        row["peak_mem_gb"], row["step_peak_mem_gb"] = peak_mem, window_peak
+                        peak_mem = max(peak_mem, torch.cuda.max_memory_allocated() / 2**30)   # since the reset
+                        # what the allocator held from the device in this window: with CUDA graphs the graphs'
+                        # private pools, which the allocated statistics stop counting after capture
+                        row["peak_mem_gb"], row["reserved_gb"] = peak_mem, torch.cuda.max_memory_reserved() / 2**30
                     if step - window["steps"] <= first_step + run_step.warmup:
                         row["startup"] = True     # the window holds the process's tuning, compile or first capture
                     log(row)
-                    if "step_peak_mem_gb" in row:
-                        torch.cuda.reset_peak_memory_stats()      # the next row's step_peak_mem_gb: its window only
+                    if "reserved_gb" in row:
+                        if row.get("startup"):   # blocks freed by tuning and compiling go back to the device
+                            torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()      # the next row's reserved_gb: its window only
                     progress.update(step, loss=row["loss"], lr=row["lr"], **{rate_key: row[rate_key]})
                     window = {"loss": 0.0, "steps": 0, "items": 0, "time": 0.0}
                 if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):

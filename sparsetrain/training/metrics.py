@@ -5,7 +5,8 @@ A run directory holds `metrics.jsonl` (one JSON object per line, each with an in
 
 - train rows: `step, loss, lr, train_flops (cumulative), tokens_per_s | samples_per_s, density,
   elapsed_s (cumulative training wall seconds, eval and checkpoints excluded)`, optional `peak_mem_gb` (GiB,
-  the peak since the loop started) and `step_peak_mem_gb` (the peak within this log window only), and
+  the allocated peak since the loop started) and `reserved_gb` (GiB the allocator held from the device at most
+  in this log window, CUDA graphs' private pools included; freed blocks are returned after the startup window), and
   `startup: true` on a window that holds a process's first steps (kernel tuning, compilation, the first
   CUDA-graph capture; :func:`train_seconds` leaves those windows out);
 - eval rows: `step, eval_loss, train_flops, elapsed_s`, optional `eval_accuracy`;

@@ -129,16 +129,16 @@ def test_table_ratios_and_update_cost(tmp_path):
     assert [ln.split()[:2] for ln in text.splitlines()[2:]][2] == ["static", "eager"]
 
 
-def test_peak_is_the_steady_state_window_peak_beside_the_whole_runs(tmp_path):
-    """peak GB: the largest per-window `step_peak_mem_gb` outside the startup window (the kernel tuner's candidates,
-    compile and capture there); startup GB: the whole run's `peak_mem_gb`. Runs logged before the per-window peak,
+def test_peak_is_the_steady_state_footprint_beside_the_startup_windows(tmp_path):
+    """peak GB: the largest per-window `reserved_gb` outside the startup window (the kernel tuner's candidates,
+    compile and capture there); startup GB: the startup window's. Runs logged before the per-window figure,
     or with only a startup window, fall back to the largest `peak_mem_gb`; so do rows resumed from an old results
     file, which lack the startup peak (shown as -)."""
     run = fake_run(tmp_path / "new", [4.0, 1.0, 1.0, 1.0])
-    window_peaks = [9.0, 5.0, 5.5, 5.25]   # GiB per window; the cumulative peak stays at the startup's 9.0
+    window_peaks = [9.0, 5.0, 5.5, 5.25]   # GiB held per window; the cumulative allocated peak: 3.0 throughout
     rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     for i, (row, peak) in enumerate(zip(rows, window_peaks, strict=True)):
-        row.update(step_peak_mem_gb=peak, peak_mem_gb=max(window_peaks[:i + 1]))
+        row.update(reserved_gb=peak, peak_mem_gb=3.0)
     rows[0]["startup"] = True
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     new = e2e.read_run(run)
@@ -148,9 +148,9 @@ def test_peak_is_the_steady_state_window_peak_beside_the_whole_runs(tmp_path):
     assert (old["peak_gb"], old["startup_peak_gb"]) == (8.0, 8.0)
     one = fake_run(tmp_path / "one", [4.0])                                         # a single (startup) window
     (one / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0, "tokens_per_s": 2500.0, "elapsed_s": 4.0,
-                                                   "peak_mem_gb": 7.0, "step_peak_mem_gb": 7.0, "startup": True}))
+                                                   "peak_mem_gb": 7.0, "reserved_gb": 7.5, "startup": True}))
     single = e2e.read_run(one)
-    assert (single["peak_gb"], single["startup_peak_gb"]) == (7.0, 7.0)
+    assert (single["peak_gb"], single["startup_peak_gb"]) == (7.0, 7.5)
     assert e2e.read_run(fake_run(tmp_path / "cpu", [4.0, 1.0]))["peak_gb"] is None
 
     resumed = {k: v for k, v in old.items() if k != "startup_peak_gb"}
