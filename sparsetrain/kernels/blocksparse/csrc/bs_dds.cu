@@ -146,12 +146,19 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
 
   // 1. the token tile of A, rows past T zero-filled (group 0 of every thread)
   {
-    const int cpr = a.k >> 3, n_chunks = TM * cpr;
-    for (int c = threadIdx.x; c < n_chunks; c += WARPS * 32) {
-      const int r = c / cpr, col = (c - r * cpr) * 8;
+    // chunk c = threadIdx.x + i * WARPS * 32 of the row-major [TM, cpr] grid, walked as (row, column) with a
+    // carry: no integer division per copy
+    const int cpr = a.k >> 3, dr = WARPS * 32 / cpr, dc = WARPS * 32 - dr * cpr;
+    for (int r = threadIdx.x / cpr, cc = threadIdx.x - (threadIdx.x / cpr) * cpr; r < TM; r += dr) {
+      const int col = cc * 8;
       const bool ok = t0 + r < a.t;
       cp_async16(xs + r * xs_stride + col, a.a + (ok ? static_cast<long long>(t0 + r) * a.sa + col : 0),
                  ok ? 16 : 0);
+      cc += dc;
+      if (cc >= cpr) {
+        cc -= cpr;
+        ++r;
+      }
     }
     cp_async_commit();
   }
