@@ -101,3 +101,35 @@ def test_bad_arguments():
         build_model("hf")
     with pytest.raises(ValueError, match="task"):
         build_model("hf", name_or_path="some/model", task="translation")
+
+
+def test_vit_sdpa_builds_no_attention_mask_for_unpadded_images(monkeypatch):
+    """A ViT built with "sdpa" attends without a mask when no padding mask is given, even where transformers would
+    materialise an all-True one (while torch.compile traces or a CUDA graph is captured): the mask function is not
+    reached. Same logits as eager attention; a real padding mask still becomes the [B, 1, S, S] mask."""
+    from transformers import masking_utils
+
+    from sparsetrain.models.builders import UNPADDED_SDPA
+
+    torch.manual_seed(0)
+    sdpa = build_model("vit", "tiny", image_size=32, patch_size=16, num_labels=10, attn_implementation="sdpa").eval()
+    eager = build_model("vit", "tiny", image_size=32, patch_size=16, num_labels=10, attn_implementation="eager")
+    eager.load_state_dict(sdpa.state_dict())
+    x = torch.randn(3, 3, 32, 32)
+    assert sdpa.config._attn_implementation == UNPADDED_SDPA
+    assert "_attn_implementation" not in sdpa.config.to_dict()          # not saved with the config
+    assert torch.allclose(sdpa(pixel_values=x).logits, eager.eval()(pixel_values=x).logits, atol=1e-5)
+
+    emb = torch.randn(2, 5, sdpa.config.hidden_size)
+    pad = torch.ones(2, 5, dtype=torch.long)
+    pad[1, 3:] = 0
+    built = masking_utils.create_bidirectional_mask(config=sdpa.config, inputs_embeds=emb, attention_mask=pad)
+    assert built.shape == (2, 1, 5, 5) and not built[1, 0, 0, 3:].any() and built[0].all()
+
+    # what tracing or capture does: transformers may not look at the mask's values, so it cannot skip it
+    monkeypatch.setattr(masking_utils, "_ignore_bidirectional_mask_sdpa", lambda *args, **kwargs: False)
+    plain = build_config("vit", "tiny", image_size=32, patch_size=16, num_labels=10, attn_implementation="eager")
+    plain._attn_implementation = "sdpa"
+    full = masking_utils.create_bidirectional_mask(config=plain, inputs_embeds=emb, attention_mask=None)
+    assert full is not None and full.shape == (2, 1, 5, 5) and full.all()     # plain "sdpa": the all-True mask
+    assert masking_utils.create_bidirectional_mask(config=sdpa.config, inputs_embeds=emb, attention_mask=None) is None
