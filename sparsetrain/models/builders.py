@@ -8,6 +8,7 @@ a pretrained model keeps its class and its full head (:func:`takes_masked_positi
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 from pathlib import Path
@@ -131,6 +132,7 @@ def build_config(
 UNPADDED_SDPA = "sparsetrain_sdpa_unpadded"
 
 
+@functools.cache   # registered once per process
 def _unpadded_sdpa() -> str:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -179,7 +179,7 @@ def _dw_rows(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]
     order of the strip operand's block index (rows: CSR order, dY strips; columns: transpose order, X strips)
     and cut into CTAs of at most ``cap`` blocks whose strip spans at most ``STRIP_BLOCKS`` blocks."""
     R, C = meta.grid[0], meta.grid[1]
-    rows_full_x = meta.in_features <= meta.out_features  # X staged whole, dY strips by block row
+    rows_full_x = _x_whole(meta)
     if rows_full_x:
         order = list(range(meta.n_blocks))
         rr, cc = meta.row_idx.tolist(), meta.col_idx.tolist()
@@ -229,9 +229,15 @@ def _dw_rows(meta, with_bias: bool, cap: int) -> tuple[Tensor, Tensor, int, int]
     return _pack(meta, ctas, order, rr, cc)
 
 
+def _x_whole(meta) -> bool:
+    """The "strips" orientation: X (the narrower or equal side) staged whole and dY in strips of block rows;
+    else dY whole and X in strips of block columns."""
+    return meta.in_features <= meta.out_features
+
+
 def _strip_widths(meta, cap: int) -> tuple[int, int]:
     b, (R, C) = meta.block_rows, meta.grid
-    if meta.in_features <= meta.out_features:   # X staged whole, dY strips by block row
+    if _x_whole(meta):
         return min(STRIP_BLOCKS, R) * b, C * b
     return R * b, min(STRIP_BLOCKS, C) * b
 
