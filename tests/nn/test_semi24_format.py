@@ -172,3 +172,150 @@ def test_torch_compile_of_a_24_layer_equals_eager(device):
     for got, exp in zip([y.detach(), x.grad, layer.weight.grad], want):
         torch.testing.assert_close(got.float(), exp.float(), rtol=tol, atol=tol)
     torch._dynamo.reset()
+
+
+# ---- under torch.compile, mode "dense" is traced (no graph break) ----------------------------------------
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_dense_mode_is_traced_and_routes(monkeypatch, recompute, bias):
+    """The CUDA routing of Semi24Format.forward, run on CPU: ``_fast_path`` forced on, the eager CUDA path
+    replaced by a recording stand-in. Compiled, mode "dense" traces semi24_dense_linear (no graph break, the
+    mask written into layer.mask, outputs and gradients those of the masked straight-through format); eagerly,
+    in a sparse mode or on a dense-gradient capture step the eager path runs (a graph break when compiled)."""
+    import torch._dynamo
+
+    from sparsetrain.kernels._runtime.eager import eager_only
+    from sparsetrain.kernels.semi24 import semi24_linear_reference
+    from sparsetrain.nn.formats import semi24 as s24
+
+    calls = []
+
+    def eager_stub(fmt, layer, x):
+        calls.append(fmt.mode)
+        return semi24_linear_reference(x, layer.weight, layer.mask, layer.bias)
+
+    monkeypatch.setattr(Semi24Format, "_fast_path", lambda self, layer, x: True)
+    monkeypatch.setattr(s24, "_semi24_eager", eager_only(eager_stub))
+    torch._dynamo.reset()
+    a, b = _pair(64, 32, bias, recompute)
+    a.storage.mode = "dense"
+    with torch.no_grad():
+        a.weight.add_(torch.randn_like(a.weight))  # an optimizer step: the mask is stale
+        b.weight.copy_(a.weight)
+    old = a.mask.clone()
+    x = torch.randn(3, 5, 64)
+
+    def fn(t):  # the layer between other ops: a graph break splits it into two graphs
+        return a(t * 2) * 3
+
+    explain = torch._dynamo.explain(fn)(x)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1 and not calls, explain.break_reasons
+    a.mask.copy_(old)
+    want_mask = transposable24_reference(a.weight)[0] if recompute else old
+    b.set_mask(want_mask)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya = torch.compile(fn, backend="aot_eager")(xa)
+    assert torch.equal(a.mask, want_mask) and not calls
+    yb = b(xb * 2) * 3
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(ya, yb, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(a.weight.grad, b.weight.grad, rtol=1e-6, atol=1e-6)
+    if bias:
+        torch.testing.assert_close(a.bias.grad, b.bias.grad, rtol=1e-6, atol=1e-6)
+    a(x)  # eagerly: the autograd-function path (faster outside a compiled graph)
+    assert calls == ["dense"]
+    a.capture_dense_grad = True  # RigL capture steps stay on the eager path
+    explain = torch._dynamo.explain(fn)(x)
+    assert explain.graph_break_count >= 1 and calls == ["dense", "dense"]
+    a.capture_dense_grad = False
+    a.storage.mode = "24"
+    explain = torch._dynamo.explain(fn)(x)
+    assert explain.graph_break_count >= 1 and calls[-1] == "24"
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_f,out_f,bias", [(768, 3072, True), (3072, 768, True), (768, 3072, False)])
+def test_gpu_traceable_dense_mode_equals_autograd_fn(in_f, out_f, bias):
+    """semi24_dense_linear (the traced dense mode) == semi24_linear(mode="dense") (Semi24LinearFn), bf16
+    autocast, fp32 master weight: the same mask bit for bit, y, x.grad, W.grad, b.grad."""
+    from sparsetrain.kernels.semi24 import semi24_dense_linear, semi24_linear
+
+    torch.manual_seed(0)
+    w = (torch.randn(out_f, in_f, device="cuda") * in_f ** -0.5).requires_grad_()
+    b = torch.randn(out_f, device="cuda", requires_grad=True) if bias else None
+    x = torch.randn(4, 197, in_f, device="cuda", requires_grad=True)
+    g = torch.randn(4, 197, out_f, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, fn in (("old", lambda m: semi24_linear(x, w, b, mode="dense", mask_out=m)),
+                     ("new", lambda m: semi24_dense_linear(x, w, b, m))):
+        m = torch.zeros(out_f, in_f, dtype=torch.bool, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(m)
+        y.backward(g)
+        out[name] = [m, y.detach(), x.grad, w.grad, b.grad if bias else None]
+        x.grad = w.grad = None
+        if bias:
+            b.grad = None
+    (m0, *old), (m1, *new) = out["old"], out["new"]
+    assert torch.equal(m0, m1) and is_transposable24(m1)
+    assert new[0].dtype == old[0].dtype == torch.bfloat16
+    assert new[2].dtype == torch.float32
+    for got, want in zip(new, old):
+        if want is None:
+            assert got is None
+        else:
+            assert got.dtype == want.dtype and _rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recompute", [True, False])
+def test_gpu_compiled_dense_mode_has_no_graph_break_and_equals_eager(recompute):
+    """A 2:4 layer in mode "dense" under torch.compile (inductor, bf16 autocast): no graph break, the mask
+    written, y and the gradients equal the eager step (the Semi24LinearFn path); a dense-gradient capture step
+    still goes through the eager path (a graph break) and fills dense_grad."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = SparseLinear(768, 3072, format=Semi24Format(recompute_every_forward=recompute, mode="dense")).cuda()
+    with torch.no_grad():
+        layer.bias.normal_()
+        layer.weight.add_(0.01 * torch.randn_like(layer.weight))  # the mask from setup is stale
+
+    def step(fn, x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = fn(x)
+        y.float().square().sum().backward()
+        res = [layer.mask.clone(), y.detach(), x.grad, layer.weight.grad, layer.bias.grad]
+        x.grad = layer.weight.grad = layer.bias.grad = None
+        return res
+
+    def fwd(t):  # the layer between other ops: a graph break splits it into two graphs
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return layer(t * 2) * 3
+
+    x = torch.randn(4, 197, 768, device="cuda")
+    explain = torch._dynamo.explain(fwd)(x.clone().requires_grad_())
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    start = layer.mask.clone()
+    want = step(layer, x.clone().requires_grad_())
+    layer.mask.copy_(start)
+    compiled = torch.compile(layer)
+    got = step(compiled, x.clone().requires_grad_())
+    assert torch.equal(got[0], want[0]) and is_transposable24(got[0])
+    if not recompute:
+        assert torch.equal(got[0], start)
+    for a, e in zip(got[1:], want[1:]):
+        assert a.dtype == e.dtype and _rel(a, e) < 1e-2
+    layer.capture_dense_grad = True
+    explain = torch._dynamo.explain(fwd)(x.clone().requires_grad_())
+    assert explain.graph_break_count >= 1
+    layer.dense_grad = None
+    got = step(compiled, x.clone().requires_grad_())
+    assert layer.dense_grad is not None and _rel(layer.dense_grad, want[3]) < 1e-2
+    layer.capture_dense_grad, layer.dense_grad = False, None
+    torch._dynamo.reset()

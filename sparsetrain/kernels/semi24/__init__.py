@@ -7,7 +7,8 @@ One op, split by concern:
   mask and ``W⊙M`` / ``(W⊙M)ᵀ``, or both already in cuSPARSELt's compressed layout;
 - :mod:`.cusparselt`: compressing, the sparse product, the per-shape algorithm choice (:func:`select_alg`)
   and the once-per-shape check of the fused packing (:func:`pack_supported`);
-- :mod:`.op`: :func:`semi24_linear` and its autograd function (modes ``"24"``, ``"24fwd"``, ``"dense"``);
+- :mod:`.op`: :func:`semi24_linear` and its autograd function (modes ``"24"``, ``"24fwd"``, ``"dense"``), and
+  :func:`semi24_dense_linear`, the ``"dense"`` mode that ``torch.compile`` traces;
 - :mod:`.reference`: the same in plain torch (tests compare).
 
 Measurements behind the choices: docs/history/semi24.md.
@@ -30,8 +31,14 @@ from sparsetrain.kernels.semi24.cusparselt import (
     select_alg,
     sparse_mm_t,
 )
-from sparsetrain.kernels.semi24.mask import Sparsified, kernel_available, transposable24
-from sparsetrain.kernels.semi24.op import MODES, Semi24LinearFn, compute_dtype, semi24_linear
+from sparsetrain.kernels.semi24.mask import Sparsified, kernel_available, transposable24, transposable24_mask
+from sparsetrain.kernels.semi24.op import (
+    MODES,
+    Semi24LinearFn,
+    compute_dtype,
+    semi24_dense_linear,
+    semi24_linear,
+)
 from sparsetrain.kernels.semi24.patterns import NPAT, NPAT_PAD, PATTERNS
 from sparsetrain.kernels.semi24.reference import (
     cslt_pack_reference,
@@ -45,6 +52,7 @@ __all__ = [
     "CSLT_ALIGN", "MODES", "NPAT", "NPAT_PAD", "PATTERNS", "SPARSE_DTYPES", "TOKEN_ALIGN",
     "AlgChoice", "Semi24LinearFn", "Sparsified",
     "alg_table", "compress", "compute_dtype", "cslt_available", "cslt_pack_reference", "cslt_unpack_reference",
-    "is_transposable24", "kernel_available", "pack_supported", "pad_tokens", "select_alg", "semi24_linear",
-    "semi24_linear_reference", "sparse_mm_t", "transposable24", "transposable24_reference",
+    "is_transposable24", "kernel_available", "pack_supported", "pad_tokens", "select_alg", "semi24_dense_linear",
+    "semi24_linear", "semi24_linear_reference", "sparse_mm_t", "transposable24", "transposable24_mask",
+    "transposable24_reference",
 ]

@@ -1,6 +1,7 @@
 """The transposable 2:4 mask on the device: :func:`transposable24` launches the Triton kernel (:mod:`._triton`)
 that masks ``W`` and, in the same pass, writes what the products need (``W⊙M``, ``(W⊙M)ᵀ`` or both already in
-cuSPARSELt's compressed layout).
+cuSPARSELt's compressed layout). :func:`transposable24_mask` (``torch.ops.sparsetrain.transposable24_mask``)
+is the mask alone as a custom op, for the masked-dense linear that ``torch.compile`` traces.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor
 
 from sparsetrain.kernels.semi24.patterns import NPAT, NPAT_PAD, check_weight, pattern_tensors
+from sparsetrain.kernels.semi24.reference import transposable24_reference
 
 try:  # Triton is optional: without it the 2:4 format falls back to the masked reference path.
     from sparsetrain.kernels.semi24 import _triton
@@ -102,3 +104,32 @@ def transposable24(
         WRITE_WM=write_wm, WRITE_T=write_transposed, PACK=pack, PACK_T=pack_t, num_warps=4,
     )
     return Sparsified(mask_out, wm, wmt, packed, packed_t)
+
+
+# ---- torch.compile: the mask as a torch.library custom op ------------------------------------------------
+# The masked-dense ("dense" mode) 2:4 linear is traced by torch.compile (see :func:`.op.semi24_dense_linear`);
+# the one thing dynamo cannot trace is the Triton mask launch, so that is an opaque op mutating the mask
+# buffer in place. Nothing flows back through it (the mask is not differentiable): it has no autograd formula
+# and is called on the detached weight.
+@torch.library.custom_op("sparsetrain::transposable24_mask", mutates_args=("mask_out",))
+def transposable24_mask(weight: Tensor, mask_out: Tensor, out_dtype: torch.dtype) -> None:
+    """Write the transposable 2:4 mask of ``weight`` (magnitudes ranked after rounding to ``out_dtype``, the
+    compute dtype) into the contiguous bool ``mask_out``: one Triton launch on CUDA, the plain-torch reference
+    (:func:`~sparsetrain.kernels.semi24.reference.transposable24_reference`) elsewhere.
+
+    >>> w = torch.randn(8, 16); m = torch.empty(8, 16, dtype=torch.bool)
+    >>> torch.ops.sparsetrain.transposable24_mask(w, m, torch.float32)
+    >>> int(m.sum())
+    64
+    """
+    # no autocast either: the reference's pattern scores are a matmul, which CPU autocast would round to 16 bits
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        if weight.is_cuda and kernel_available(weight.device):
+            transposable24(weight, out_dtype=out_dtype, mask_out=mask_out, write_wm=False)
+        else:
+            mask_out.copy_(transposable24_reference(weight, out_dtype)[0])
+
+
+@transposable24_mask.register_fake
+def _(weight, mask_out, out_dtype):
+    return None

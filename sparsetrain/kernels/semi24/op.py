@@ -9,6 +9,8 @@ The forward of a 2:4 straight-through linear layer is ``y = x (W ⊙ M)ᵀ + b``
 - weight grad ``dW = dyᵀ x``: dense (cuBLAS), passed straight through to the whole dense ``W``.
 
 Modes: ``"24"`` (forward and input grad sparse), ``"24fwd"`` (forward sparse only), ``"dense"`` (masked dense).
+:func:`semi24_dense_linear` is the ``"dense"`` mode in plain traceable torch (the mask through one custom op), so
+that under ``torch.compile`` inductor fuses the casts and reductions around the products.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from sparsetrain.kernels.semi24.cusparselt import (
     select_alg,
     sparse_mm_t,
 )
-from sparsetrain.kernels.semi24.mask import transposable24
+from sparsetrain.kernels.semi24.mask import transposable24, transposable24_mask
 
 MODES = ("24", "24fwd", "dense")
 
@@ -158,3 +160,25 @@ def semi24_linear(
         y = Semi24LinearFn.apply(x2d, weight, b, wm, packed, packed_t,
                                  fwd_alg, dx_alg, [layer] if layer is not None else None)
     return y.reshape(*x.shape[:-1], n)
+
+
+def semi24_dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None, mask_out: Tensor, *,
+                        recompute: bool = True) -> Tensor:
+    """The ``"dense"`` mode of :func:`semi24_linear` in plain torch ops that ``torch.compile`` traces.
+
+    ``y = x (W⊙M)ᵀ + b`` with ``dW = dyᵀ x`` straight through to all of ``W``, ``dx = dy (W⊙M)``,
+    ``db = Σ dy``. ``recompute``: ``M`` is the transposable 2:4 mask of ``weight`` (ranked in the compute dtype,
+    as :func:`semi24_linear` does), written into ``mask_out`` by the custom op :func:`.mask.transposable24_mask`
+    (the Triton kernel on CUDA, the reference elsewhere); else ``mask_out`` is the mask used as given. Products
+    run in the compute dtype (autocast's, else x's), like :func:`semi24_linear`.
+
+    >>> m = torch.empty(8, 16, dtype=torch.bool)
+    >>> semi24_dense_linear(torch.randn(3, 16), torch.randn(8, 16), None, m).shape
+    torch.Size([3, 8])
+    """
+    dtype = compute_dtype(x)
+    if recompute:
+        transposable24_mask(weight.detach(), mask_out, dtype)
+    # forward: W ⊙ M ; backward: identity to the dense weight (straight-through estimator)
+    w_eff = weight + (weight * mask_out.to(weight.dtype) - weight).detach()
+    return F.linear(x.to(dtype), w_eff.to(dtype), bias.to(dtype) if bias is not None else None)

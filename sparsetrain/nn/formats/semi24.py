@@ -5,6 +5,8 @@ keeps a dense master weight Parameter, the forward uses ``W ⊙ M`` with ``M`` a
 dense gradient goes straight through to all of ``W``. On CUDA the mask is recomputed from the current weight
 on every forward by one Triton pass (see :mod:`sparsetrain.kernels.semi24`) and written into ``layer.mask``;
 the products go through cuSPARSELt where :func:`plan_dispatch` measured that to be faster, else dense.
+Under ``torch.compile`` the dense mode (``mode="dense"``, outside dense-gradient capture) is plain torch around
+one mask custom op, traced with the rest of the model; the sparse modes run eagerly (a graph break).
 On CPU the format *is* the masked reference path.
 
 How a scheduler drives it (it reads ``layer.caps``):
@@ -38,6 +40,7 @@ from sparsetrain.kernels.semi24 import (
     is_transposable24,
     kernel_available,
     select_alg,
+    semi24_dense_linear,
     semi24_linear,
     transposable24,
     transposable24_reference,
@@ -123,6 +126,15 @@ class Semi24Format(MaskedFormat):
             else:
                 self._refresh(layer)
             return super().forward(layer, x)
+        if self.mode == "dense" and not layer.capture_dense_grad and torch.compiler.is_compiling():
+            # Masked dense in plain torch ops (the mask kernel a custom op): torch.compile traces it, no graph
+            # break, so inductor fuses the casts and the bias-grad reduction around the two cuBLAS products.
+            # Eagerly the autograd function stays faster (its one kernel writes the mask and W⊙M in the compute
+            # dtype together). Like the eager path, the element-mask cache (_refresh) is not updated:
+            # dense_weight and the schedulers read layer.mask.
+            return semi24_dense_linear(x, layer.weight, layer.bias, layer.mask,
+                                       recompute=self.recompute_every_forward)
+        # sparse modes and dense-gradient capture steps: the eager path (a graph break under torch.compile)
         return _semi24_eager(self, layer, x)
 
     def dense_weight(self, layer):

@@ -1,5 +1,6 @@
-"""2:4 kernels: the Triton mask kernel vs its plain-torch reference (CPU interpreter), and on the device
-(``pytest -m gpu``) the fused cuSPARSELt packing, algorithm choice and linear vs the masked-dense reference."""
+"""2:4 kernels: the Triton mask kernel vs its plain-torch reference (CPU interpreter), the mask custom op and
+the traceable masked-dense linear (``semi24_dense_linear``) on CPU, and on the device (``pytest -m gpu``) the
+fused cuSPARSELt packing, algorithm choice and linear vs the masked-dense reference."""
 import pytest
 import torch
 
@@ -12,10 +13,12 @@ from sparsetrain.kernels.semi24 import (
     cslt_unpack_reference,
     is_transposable24,
     select_alg,
+    semi24_dense_linear,
     semi24_linear,
     semi24_linear_reference,
     sparse_mm_t,
     transposable24,
+    transposable24_mask,
     transposable24_reference,
 )
 
@@ -99,6 +102,119 @@ def test_kernel_packs_like_the_reference_and_unpacks(shape):
     assert torch.equal(r.packed_t.view(torch.int16), ref_t.view(torch.int16))
     assert torch.equal(cslt_unpack_reference(r.packed, *shape), r.wm)
     assert torch.equal(cslt_unpack_reference(r.packed_t, shape[1], shape[0]), r.wm.t())
+
+
+# ---- the mask custom op and the traceable dense mode (CPU) -----------------------------------------------
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                             (torch.float16, torch.float16)])
+def test_mask_op_writes_the_reference_mask(dtype, out_dtype):
+    w = torch.randn(32, 48, dtype=dtype)
+    out = torch.zeros(32, 48, dtype=torch.bool)
+    ret = torch.ops.sparsetrain.transposable24_mask(w, out, out_dtype)
+    assert ret is None
+    assert torch.equal(out, transposable24_reference(w, out_dtype)[0])
+    out2 = torch.ones(32, 48, dtype=torch.bool)
+    transposable24_mask(w, out2, out_dtype)  # the CustomOpDef itself: the same op
+    assert torch.equal(out2, out) and is_transposable24(out) and int(out.sum()) == w.numel() // 2
+
+
+def test_mask_op_fake_registration():
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    w, m = torch.randn(16, 32), torch.zeros(16, 32, dtype=torch.bool)
+    result = torch.library.opcheck(torch.ops.sparsetrain.transposable24_mask.default, (w, m, torch.float32))
+    assert all(v == "SUCCESS" for v in result.values()), result
+    with FakeTensorMode():
+        fw, fm = torch.empty(16, 32), torch.empty(16, 32, dtype=torch.bool)
+        assert torch.ops.sparsetrain.transposable24_mask(fw, fm, torch.bfloat16) is None
+        assert isinstance(fm, FakeTensor) and fm.shape == (16, 32) and fm.dtype == torch.bool
+
+
+def _dense_linear_case(bias: bool, lead=(3, 5), in_f=64, out_f=32):
+    x = torch.randn(*lead, in_f, requires_grad=True)
+    w = torch.randn(out_f, in_f, requires_grad=True)
+    b = torch.randn(out_f, requires_grad=True) if bias else None
+    return x, w, b
+
+
+def _grads(y, g, *ts):
+    y.backward(g)
+    out = [t.grad.clone() if t is not None else None for t in ts]
+    for t in ts:
+        if t is not None:
+            t.grad = None
+    return out
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_dense_linear_equals_reference(bias, recompute):
+    x, w, b = _dense_linear_case(bias)
+    given = transposable24_reference(torch.randn_like(w))[0]  # some other transposable mask
+    mask = given.clone() if not recompute else torch.zeros_like(given)
+    y = semi24_dense_linear(x, w, b, mask, recompute=recompute)
+    want_mask = transposable24_reference(w)[0] if recompute else given
+    assert torch.equal(mask, want_mask)  # recompute: written in place; else used as given, untouched
+    g = torch.randn_like(y)
+    got = [y.detach(), *_grads(y, g, x, w, b)]
+    yr = semi24_linear_reference(x, w, want_mask, b)
+    want = [yr.detach(), *_grads(yr, g, x, w, b)]
+    for a, e in zip(got, want):
+        if e is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+    # the semantics, spelled out: dx = dY (W⊙M), dW = dYᵀ x dense to ALL of W (straight-through), db = Σ dY
+    g2, x2 = g.reshape(-1, 32), x.detach().reshape(-1, 64)
+    torch.testing.assert_close(got[1].reshape(-1, 64), g2 @ (w.detach() * want_mask), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[2], g2.t() @ x2, rtol=1e-5, atol=1e-5)
+    assert (got[2][~want_mask] != 0).any()
+    if bias:
+        torch.testing.assert_close(got[3], g2.sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_linear_ranks_in_the_autocast_dtype():
+    x, w, b = _dense_linear_case(True)
+    mask = torch.zeros(32, 64, dtype=torch.bool)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = semi24_dense_linear(x, w, b, mask)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(mask, transposable24_reference(w, torch.bfloat16)[0])
+    yr = torch.nn.functional.linear(x.bfloat16(), (w * mask).bfloat16(), b.bfloat16())
+    assert torch.equal(y, yr)
+    y.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dense_linear_compiles_without_graph_break(autocast):
+    import torch._dynamo
+
+    def fn(x, w, b, m):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return semi24_dense_linear(x, w, b, m)
+
+    torch._dynamo.reset()
+    x, w, b = _dense_linear_case(True)
+    mask = torch.zeros(32, 64, dtype=torch.bool)
+    explain = torch._dynamo.explain(fn)(x, w, b, mask)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    ops = [n.target for n in explain.graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.sparsetrain.transposable24_mask.default in ops
+    # compiled (aot_eager: functionalized, the mutation of the mask written back) == eager
+    mask.zero_()
+    y = torch.compile(fn, backend="aot_eager", fullgraph=True)(x, w, b, mask)
+    dtype = torch.bfloat16 if autocast else torch.float32
+    assert torch.equal(mask, transposable24_reference(w, dtype)[0])
+    g = torch.randn_like(y)
+    got = [y.detach(), *_grads(y, g, x, w, b)]
+    mask2 = torch.zeros_like(mask)
+    ye = fn(x, w, b, mask2)
+    want = [ye.detach(), *_grads(ye, g, x, w, b)]
+    assert torch.equal(mask2, mask)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
 
 
 # ---- on the device ---------------------------------------------------------------------------------------
