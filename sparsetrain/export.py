@@ -37,10 +37,12 @@ def _run_config(run_dir: str | Path):
 def load_trained_model(run_dir: str | Path, checkpoint: str | Path | None = None) -> nn.Module:
     """Rebuild the run's model from its ``config.yaml`` and load the newest (or given) checkpoint, with every
     sparse weight multiplied by its mask, as a plain transformers model of ``nn.Linear`` layers (a BERT trained
-    with the masked-positions head comes back as the ``BertForMaskedLM`` it is to everyone else)."""
+    with the masked-positions head comes back as the ``BertForMaskedLM`` it is to everyone else, and a model
+    trained with ``model.fused_qkv`` with its separate query, key and value projections)."""
     from omegaconf import OmegaConf
 
     from sparsetrain.config import model_builder
+    from sparsetrain.models.fused_qkv import unfuse_qkv
     from sparsetrain.models.mlm import to_masked_lm
     from sparsetrain.sparsity.layout import Block, to_element_mask
     from sparsetrain.training.checkpoint import list_checkpoints
@@ -67,7 +69,7 @@ def load_trained_model(run_dir: str | Path, checkpoint: str | Path | None = None
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
-    return to_masked_lm(model).eval()
+    return to_masked_lm(unfuse_qkv(model)).eval()
 
 
 def load_preprocessor(run_dir: str | Path, model: nn.Module | None = None) -> Any | None:

@@ -123,3 +123,19 @@ def test_image_export_has_the_runs_image_processor(tmp_path, umask_022, capsys):
         assert [got[f"LABEL_{k}"] for k in range(10)] == pytest.approx(expected.tolist(), abs=1e-5)
     assert set(_modes(out).values()) == {0o644}, _modes(out)
     assert "with its image processor" in capsys.readouterr().out
+
+
+def test_a_fused_qkv_run_exports_separate_projections(tmp_path):
+    """model.fused_qkv=true trains one qkv linear per layer; the export is a plain BertForMaskedLM again, computing
+    what the trained model computed, and its state dict has the separate query/key/value weights."""
+    from sparsetrain.export import load_trained_model
+
+    run, _, _, model = _run_dir(tmp_path, ["recipe=quickstart", "model.fused_qkv=true"])
+    assert any(n.endswith(".qkv") for n, _ in model.named_modules())
+    exported = load_trained_model(run, run / "checkpoints" / "step_00000001")
+    assert type(exported).__name__ == "BertForMaskedLM"
+    keys = list(exported.state_dict())
+    assert not any(".qkv." in k for k in keys) and any(k.endswith("attention.self.query.weight") for k in keys)
+    ids = torch.randint(5, 100, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(exported(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5)

@@ -158,6 +158,7 @@ def build_model(
     name_or_path: str | None = None,
     attn_implementation: str = "eager",
     task: str = "mlm",
+    fused_qkv: bool = False,
     **overrides: Any,
 ):
     """Build a randomly initialised BERT (masked LM) or ViT (image classifier), or load a pretrained one.
@@ -166,15 +167,18 @@ def build_model(
     that also takes ``masked_positions``). ``arch="bert"`` and ``"vit"`` take a ``size`` from :data:`MODEL_SIZES`; ``overrides`` are config
     fields (e.g. ``num_hidden_layers=1``). ``arch="hf"`` loads ``name_or_path`` with
     ``AutoModelForMaskedLM`` (``task="mlm"``) or ``AutoModelForImageClassification``
-    (``task="image-classification"``, head resized to ``num_labels``).
+    (``task="image-classification"``, head resized to ``num_labels``). ``fused_qkv=True`` gives each attention
+    one query/key/value projection (:mod:`sparsetrain.models.fused_qkv`: the same function, fewer and larger
+    products; the sparsity layer sees one layer there).
 
     >>> model = build_model("bert", "tiny", vocab_size=1000, seq_len=64)
     >>> model.config.num_hidden_layers, model.config.hidden_size
     (2, 128)
     """
-    check_model_args(arch, size, name_or_path=name_or_path, task=task)
+    check_model_args(arch, size, name_or_path=name_or_path, task=task, fused_qkv=fused_qkv)
     if arch == "hf":
-        return _load_pretrained(name_or_path, task, num_labels, attn_implementation, overrides)
+        model = _load_pretrained(name_or_path, task, num_labels, attn_implementation, overrides)
+        return _fused(model) if fused_qkv else model
 
     config = build_config(
         arch,
@@ -191,10 +195,18 @@ def build_model(
     if arch == "bert":
         from sparsetrain.models.mlm import BertForMaskedPositionsLM
 
-        return BertForMaskedPositionsLM(config)
-    from transformers import ViTForImageClassification
+        model = BertForMaskedPositionsLM(config)
+    else:
+        from transformers import ViTForImageClassification
 
-    return ViTForImageClassification(config)
+        model = ViTForImageClassification(config)
+    return _fused(model) if fused_qkv else model
+
+
+def _fused(model):
+    from sparsetrain.models.fused_qkv import fuse_qkv
+
+    return fuse_qkv(model)
 
 
 # ---- checks before anything is loaded, and the pretrained-model boundary -------------------------------------
@@ -204,13 +216,15 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 
 def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str | None = None, task: str = "mlm",
-                     **_unused: Any) -> None:
+                     fused_qkv: bool = False, **_unused: Any) -> None:
     """Cheap checks of :func:`build_model`'s arguments (no weights read, no network): raises ValueError whose
     message starts with the argument's name. A local ``name_or_path`` must be a folder with a JSON
     ``config.json`` and an intact weight file (the safetensors header is read); a hub name is checked when
     it is loaded."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if not isinstance(fused_qkv, bool):
+        raise ValueError(f"fused_qkv must be true or false, got {fused_qkv!r}")
     if arch != "hf":
         _size(arch, size)
         return

@@ -1,0 +1,108 @@
+"""model.fused_qkv: one query/key/value projection computes what the three did (outputs and gradients), loads the
+separate weights, converts back for exports, and is one layer to sparsify."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from sparsetrain.models.builders import build_model
+from sparsetrain.models.fused_qkv import fuse_qkv, unfuse_qkv
+
+
+def _bert(attn="eager", **kw):
+    torch.manual_seed(0)
+    return build_model("bert", "tiny", vocab_size=100, seq_len=16, attn_implementation=attn, **kw).float()
+
+
+def _vit(attn="eager", **kw):
+    torch.manual_seed(0)
+    return build_model("vit", "tiny", image_size=32, patch_size=16, num_labels=10, attn_implementation=attn, **kw)
+
+
+def _inputs(arch):
+    torch.manual_seed(1)
+    if arch == "bert":
+        ids = torch.randint(5, 100, (3, 16))
+        return dict(input_ids=ids, labels=ids)
+    return dict(pixel_values=torch.randn(3, 3, 32, 32), labels=torch.randint(0, 10, (3,)))
+
+
+def _qkv_names(model):
+    return [n for n, m in model.named_modules() if n.endswith(".qkv") and type(m) is nn.Linear]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("arch", ["bert", "vit"])
+def test_fused_model_computes_what_the_separate_projections_did(arch, attn):
+    plain = (_bert if arch == "bert" else _vit)(attn).eval()
+    fused = fuse_qkv(copy.deepcopy(plain))
+    names = _qkv_names(fused)
+    assert len(names) == plain.config.num_hidden_layers
+    assert not any(n.endswith((".query", ".key", ".value", ".q_proj", ".k_proj", ".v_proj"))
+                   for n, _ in fused.named_modules())
+    batch = _inputs(arch)
+    out_p, out_f = plain(**batch), fused(**batch)
+    assert torch.allclose(out_p.logits, out_f.logits, atol=1e-5)
+    out_p.loss.backward()
+    out_f.loss.backward()
+    # the fused weight's gradient is the three gradients stacked
+    fmods, pmods = dict(fused.named_modules()), dict(plain.named_modules())
+    for name in names:
+        parent = pmods[name.rsplit(".", 1)[0]]
+        parts = [getattr(parent, n) for n in (("query", "key", "value") if arch == "bert" else ("q_proj", "k_proj",
+                                                                                               "v_proj"))]
+        expected = torch.cat([p.weight.grad for p in parts])
+        assert torch.allclose(fmods[name].weight.grad, expected, atol=1e-5)
+        assert torch.allclose(fmods[name].bias.grad, torch.cat([p.bias.grad for p in parts]), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["bert", "vit"])
+def test_built_fused_loads_separate_weights_and_converts_back(arch):
+    build = _bert if arch == "bert" else _vit
+    plain, fused = build().eval(), build(fused_qkv=True).eval()
+    assert _qkv_names(fused) and not _qkv_names(plain)
+    missing, unexpected = fused.load_state_dict(plain.state_dict())   # separate entries become qkv
+    assert not missing and not unexpected
+    batch = _inputs(arch)
+    assert torch.allclose(plain(**batch).logits, fused(**batch).logits, atol=1e-5)
+    back = unfuse_qkv(fused)
+    assert type(back) is type(plain)
+    assert {type(m) for m in back.modules()} == {type(m) for m in plain.modules()}
+    state = back.state_dict()
+    assert list(state) == list(plain.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())
+    back.load_state_dict(plain.state_dict())                           # the load hook went with the fusion
+    assert unfuse_qkv(back) is back                                    # not fused: unchanged
+
+
+def test_sparsify_sees_one_layer_per_fused_projection():
+    from sparsetrain.nn.sparsify import sparsify
+
+    model = _bert(fused_qkv=True)
+    names = _qkv_names(model)
+    layers = sparsify(model, targets=["*attention.self.*"], density=0.25, block=16)
+    assert sorted(layers) == sorted(names) and len(names) == 2
+    assert all((layer.out_features, layer.in_features, tuple(layer.mask.shape)) == (384, 128, (24, 8))
+               for layer in layers.values())
+    batch = _inputs("bert")
+    model(**batch).loss.backward()
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_fused_qkv_must_be_a_bool(bad):
+    with pytest.raises(ValueError, match="fused_qkv"):
+        build_model("bert", "tiny", vocab_size=100, seq_len=16, fused_qkv=bad)
+
+
+def test_fused_qkv_config_key_is_checked_before_anything_is_built():
+    from sparsetrain.config import ConfigError, compose, validate
+
+    cfg = compose(["recipe=quickstart", "model.fused_qkv=maybe"])
+    with pytest.raises(ConfigError, match="model.fused_qkv"):
+        validate(cfg)
+
+
+def test_a_model_without_bert_or_vit_attention_is_refused():
+    with pytest.raises(ValueError, match="model.fused_qkv"):
+        fuse_qkv(nn.Sequential(nn.Linear(4, 4)))
