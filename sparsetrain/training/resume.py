@@ -39,6 +39,10 @@ INIT_KEYS = ("model", "sparsity.density", "sparsity.distribution", "sparsity.den
 #: ... except these, which shape no weight (the position table is ``model.max_position_embeddings``)
 INIT_FREE = ("model.seq_len", "model.attn_implementation")
 INIT_KEY = "trainer.init_from"
+#: Keys added to the config tree after runs had been saved without them, with the value those runs behaved as:
+#: a stored config that lacks one compares as holding it (a run saved before ``model.fused_qkv`` existed resumes
+#: with ``model.fused_qkv=false``, and is refused with ``true``).
+ADDED_KEYS = {"model.fused_qkv": False}
 
 
 class RunDirError(RuntimeError):
@@ -77,6 +81,10 @@ def shape_changes(old: dict, new: dict, keys: tuple[str, ...] = SHAPE_KEYS, free
     ['sparsity.density']
     """
     a, b = _flatten(old), _flatten(new)
+    for key, value in ADDED_KEYS.items():
+        for flat, tree in ((a, old), (b, new)):
+            if key not in flat and isinstance(tree.get(key.split(".")[0]), dict):
+                flat[key] = value
 
     def under(k: str, prefixes: tuple[str, ...]) -> bool:
         return any(k == p or k.startswith(p + ".") for p in prefixes)

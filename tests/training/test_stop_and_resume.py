@@ -128,6 +128,14 @@ def test_resume_refuses_model_or_mask_changes_before_touching_the_run(finished_r
     assert shape_changes(CONFIG, {**CONFIG, "optim": {"optimizer": {"lr": 1.0}}}) == []   # lr may change
 
 
+def test_a_run_saved_before_a_key_existed_resumes_with_the_behaviour_it_had():
+    """model.fused_qkv came later: a stored config without it compares as false (what those runs did)."""
+    old = {"model": {"arch": "bert", "size": "tiny"}, "seed": 0}
+    assert shape_changes(old, {"model": {"arch": "bert", "size": "tiny", "fused_qkv": False}, "seed": 0}) == []
+    assert shape_changes(old, {"model": {"arch": "bert", "size": "tiny", "fused_qkv": True}, "seed": 0}) == [
+        "model.fused_qkv"]
+
+
 def test_resume_skips_a_damaged_checkpoint_removes_partial_ones_and_warns_on_world_size(finished_run, tmp_path,
                                                                                         capsys):
     d = tmp_path / "run"
