@@ -30,8 +30,8 @@ from transformers.models.vit.modeling_vit import ViTAttention
 
 def _split_heads(qkv: nn.Module, hidden_states: torch.Tensor, head_dim: int):
     """``qkv(hidden_states)`` [B, S, 3H] as the query, key and value [B, heads, S, head_dim] (views). Split along
-    the last dimension: the backward's concatenation of the three gradients then compiles to a copy as cheap as
-    dense's (unbinding a [B, S, 3, heads, head_dim] view took 2.2x as long before a block-sparse product, H100)."""
+    the last dimension, not unbound from a [B, S, 3, heads, head_dim] view: the backward's concatenation of the
+    three gradients then compiles to a plain copy in front of a block-sparse product too (history/e2e.md, round 7)."""
     fused = qkv(hidden_states)
     shape = (*hidden_states.shape[:-1], -1, head_dim)
     return (t.view(shape).transpose(1, 2) for t in fused.split(fused.shape[-1] // 3, dim=-1))
