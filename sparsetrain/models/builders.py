@@ -215,6 +215,10 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
+#: ``model_type`` values of pretrained models whose attention ``fused_qkv`` can fuse (sparsetrain.models.fused_qkv).
+FUSABLE_MODEL_TYPES = ("bert", "vit")
+
+
 def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str | None = None, task: str = "mlm",
                      fused_qkv: bool = False, **_unused: Any) -> None:
     """Cheap checks of :func:`build_model`'s arguments (no weights read, no network): raises ValueError whose
@@ -245,6 +249,9 @@ def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str |
         raise ValueError(f"name_or_path {str(path)!r}: config.json is missing or not valid JSON ({e})") from e
     if not isinstance(config, dict):
         raise ValueError(f"name_or_path {str(path)!r}: config.json does not hold a JSON object")
+    if fused_qkv and config.get("model_type") not in FUSABLE_MODEL_TYPES:
+        raise ValueError(f"fused_qkv: {str(path)!r} holds a {config.get('model_type')!r} model; only "
+                         f"{list(FUSABLE_MODEL_TYPES)} attention can be fused")
     weights = [path / w for w in WEIGHT_FILES if (path / w).is_file()]
     if not weights:
         raise ValueError(f"name_or_path {str(path)!r} holds no weight file (one of {list(WEIGHT_FILES)})")
@@ -336,7 +343,8 @@ def build_skeleton(arch: str, size: str = "tiny", **kwargs: Any):
         raise ValueError(f"name_or_path {str(path)!r}: config.json cannot be read: {e}") from e
     auto = AutoModelForMaskedLM if task == "mlm" else AutoModelForImageClassification
     with torch.device("meta"):
-        return auto.from_config(config)
+        model = auto.from_config(config)
+    return _fused(model) if kwargs.get("fused_qkv") else model
 
 
 def takes_masked_positions(arch: str = "bert", **_unused: Any) -> bool:

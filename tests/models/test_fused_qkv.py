@@ -106,3 +106,25 @@ def test_fused_qkv_config_key_is_checked_before_anything_is_built():
 def test_a_model_without_bert_or_vit_attention_is_refused():
     with pytest.raises(ValueError, match="model.fused_qkv"):
         fuse_qkv(nn.Sequential(nn.Linear(4, 4)))
+
+
+def test_a_local_pretrained_bert_is_fused_and_its_skeleton_too(tmp_path):
+    """arch=hf: a saved BERT loads fused (same logits) and its meta skeleton has the qkv names the sparsity layout is
+    checked against; a model type that cannot be fused is refused before any weight is read, naming the key."""
+    from transformers import GPT2Config
+
+    from sparsetrain.models.builders import build_skeleton, check_model_args
+    from sparsetrain.models.mlm import to_masked_lm
+
+    plain = to_masked_lm(_bert().eval())
+    plain.save_pretrained(tmp_path / "bert")
+    fused = build_model("hf", name_or_path=str(tmp_path / "bert"), fused_qkv=True).float().eval()
+    ids = torch.randint(5, 100, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(fused(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5)
+    skeleton = build_skeleton("hf", name_or_path=str(tmp_path / "bert"), fused_qkv=True)
+    assert _qkv_names(skeleton) == _qkv_names(fused) and _qkv_names(fused)
+    GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"")   # never read: the type is refused first
+    with pytest.raises(ValueError, match="^fused_qkv: .*'gpt2'"):
+        check_model_args("hf", name_or_path=str(tmp_path / "gpt2"), fused_qkv=True)
