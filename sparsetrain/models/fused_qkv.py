@@ -2,10 +2,10 @@
 
 Each attention layer reads the same hidden states through three H x H linears. Fused, they are one H -> 3H
 linear ``qkv`` whose output rows are the query's, then the key's, then the value's: one matrix product instead
-of three in the forward and in each gradient. A dense model computes exactly what it computed before, a little
-faster (larger products); a sparse one gains more, because a block-sparse product's fixed cost per call and per
-output tile is paid once instead of three times (at BERT-base's 768x768 projections, 16x16 blocks at 10% density
-run no faster than dense cuBLAS; one 768 -> 2304 product does; see docs/benchmarks/e2e.md).
+of three in the forward and in each gradient. The model computes what it computed before, dense and sparse
+alike a little faster (larger products; a block-sparse product pays its fixed cost per call and per output tile
+once instead of three times: at BERT-base's 768x768 projections 16x16 blocks at 10% density run no faster than
+dense cuBLAS, one 768 -> 2304 product does; see docs/benchmarks/e2e.md).
 
 What changes for sparsity: the fused projection is **one layer** to the sparsity layer. A uniform density is
 unchanged; a distribution that sets a density per layer from its shape (ERK) gives the fused layer one density
