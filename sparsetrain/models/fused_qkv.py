@@ -30,8 +30,9 @@ from transformers.models.vit.modeling_vit import ViTAttention
 
 def _split_heads(qkv: nn.Module, hidden_states: torch.Tensor, head_dim: int):
     """``qkv(hidden_states)`` [B, S, 3H] as the query, key and value [B, heads, S, head_dim] (views). Split along
-    the last dimension, not unbound from a [B, S, 3, heads, head_dim] view: the backward's concatenation of the
-    three gradients then compiles to a plain copy in front of a block-sparse product too (history/e2e.md, round 7)."""
+    the last dimension, not unbound from a [B, S, 3, heads, head_dim] view: the backward then concatenates the
+    three gradients along that dimension, a plain copy. Unbound, inductor folds the 5-D view and the flattening
+    for a block-sparse op into one kernel whose per-element index arithmetic made the copy twice as slow."""
     fused = qkv(hidden_states)
     shape = (*hidden_states.shape[:-1], -1, head_dim)
     return (t.view(shape).transpose(1, 2) for t in fused.split(fused.shape[-1] // 3, dim=-1))
@@ -91,6 +92,17 @@ def _merge_separate_entries(names):
     return hook
 
 
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding copies of ``weight`` [out, in] and ``bias`` (same device and dtype)."""
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device,
+                    dtype=weight.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(weight)
+        if bias is not None:
+            lin.bias.copy_(bias)
+    return lin
+
+
 def fuse_qkv(model: nn.Module) -> nn.Module:
     """Give every BERT self-attention and ViT attention of ``model`` one ``qkv`` linear in place of its three
     (in place; returns ``model``). The outputs are unchanged up to float rounding. Raises ValueError naming
@@ -103,13 +115,8 @@ def fuse_qkv(model: nn.Module) -> nn.Module:
         if getattr(module, "is_decoder", False):
             raise ValueError(f"model.fused_qkv: {name} is a decoder's self-attention (only encoders are fused)")
         parts = [getattr(module, n) for n in names]
-        qkv = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                        device=parts[0].weight.device, dtype=parts[0].weight.dtype)
-        with torch.no_grad():
-            qkv.weight.copy_(torch.cat([p.weight for p in parts]))
-            if qkv.bias is not None:
-                qkv.bias.copy_(torch.cat([p.bias for p in parts]))
-        _replace(module, names, {"qkv": qkv})
+        bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
+        _replace(module, names, {"qkv": _linear(torch.cat([p.weight.detach() for p in parts]), bias)})
         module.__class__ = fused_cls
         module._qkv_load_hook = module.register_load_state_dict_pre_hook(_merge_separate_entries(names))
         found += 1
@@ -128,14 +135,7 @@ def unfuse_qkv(model: nn.Module) -> nn.Module:
         qkv = module.qkv
         weights = qkv.weight.detach().chunk(3)
         biases = qkv.bias.detach().chunk(3) if qkv.bias is not None else (None,) * 3
-        parts = {}
-        for n, w, b in zip(names, weights, biases):
-            parts[n] = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device=w.device, dtype=w.dtype)
-            with torch.no_grad():
-                parts[n].weight.copy_(w)
-                if b is not None:
-                    parts[n].bias.copy_(b)
-        _replace(module, ("qkv",), parts)
+        _replace(module, ("qkv",), {n: _linear(w, b) for n, w, b in zip(names, weights, biases)})
         module._qkv_load_hook.remove()
         del module._qkv_load_hook
         module.__class__ = plain_cls
