@@ -24,13 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparsetrain.bench._child import Stopped, run_child
 from sparsetrain.bench._e2e_breakdown import format_breakdown, profile_child
 
 HYDRA_HINT = "HYDRA_FULL_ERROR"
@@ -361,11 +361,9 @@ class Bench:
         """Run ``cmd`` with its output in ``<out>/<name>.log`` (kept when it fails); (exit code, last line)."""
         log = self.out / f"{name}.log"
         with open(log, "w") as f:
-            try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=self.args.timeout, check=False,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"}).returncode
-            except subprocess.TimeoutExpired:
-                return 124, f"timed out after {self.args.timeout:.0f} s"
+            rc = run_child(cmd, f, self.args.timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if rc is None:
+            return 124, f"timed out after {self.args.timeout:.0f} s"
         text = log.read_text(errors="replace")
         if rc == 0 and not self.args.keep:
             log.unlink()
@@ -484,10 +482,15 @@ GEMM_PROBE = ("import torch\nfrom triton.testing import do_bench\n"
 
 def gemm_tflops() -> float | None:
     """The bf16 GEMM rate of this GPU (8192³, median), or None where it cannot be measured."""
-    try:
-        done = subprocess.run([sys.executable, "-c", GEMM_PROBE], capture_output=True, text=True, timeout=180)
-        return float(done.stdout.split()[-1]) if done.returncode == 0 else None
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
+    with tempfile.TemporaryFile("w+") as out:
+        if run_child([sys.executable, "-c", GEMM_PROBE], out, timeout=180) != 0:
+            return None
+        out.seek(0)
+        for line in reversed(out.read().splitlines()):  # the probe's one printed number (stderr is merged in)
+            try:
+                return float(line)
+            except ValueError:
+                continue
         return None
 
 
@@ -533,7 +536,14 @@ def main(argv: list[str]) -> int:
         return profile_child(argv[1])
     args = parse_args(argv)
     bench = Bench(args, argv)
-    rows = bench.run()
+    try:
+        rows = bench.run()
+    except Stopped as stop:
+        bench.save()
+        print(f"\n{stop} (the running run and its processes were ended); finished runs are kept in "
+              f"{bench.out / RESULTS_FILE}: the same command with --out {bench.out} --resume goes on from there",
+              file=sys.stderr)
+        return 128 + stop.signum
     print("\n==== end-to-end training throughput ====")
     print(format_table(rows))
     gemm = bench.results.get("env", {}).get("bf16_gemm_tflops")

@@ -268,7 +268,24 @@ def test_module_is_cheap_to_import():
     code = ("import sys, sparsetrain; a = set(sys.modules); import sparsetrain.bench.e2e; "
             "print(sorted(set(sys.modules) - a))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['sparsetrain.bench', 'sparsetrain.bench._e2e_breakdown', 'sparsetrain.bench.e2e']"
+    assert out.strip() == "['sparsetrain.bench', 'sparsetrain.bench._child', 'sparsetrain.bench._e2e_breakdown', 'sparsetrain.bench.e2e']"
+
+
+def test_stop_signal_saves_finished_runs_and_exits_128_plus_signal(tmp_path, monkeypatch, capsys):
+    import signal
+
+    from sparsetrain.bench._child import Stopped
+
+    def stopped_run(self):
+        self.done["dense-eager"] = {"key": "[]", "result": {"variant": "dense"}}  # one finished run
+        raise Stopped(signal.SIGTERM)
+
+    monkeypatch.setattr(e2e.Bench, "run", stopped_run)
+    rc = e2e.main(["--variants", "dense", "--modes", "eager", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM" in err and f"--out {tmp_path} --resume" in err
+    assert "dense-eager" in json.loads((tmp_path / e2e.RESULTS_FILE).read_text())["done"]
 
 
 def test_smoke_two_variants_through_the_cli(tmp_path, monkeypatch, capsys):
