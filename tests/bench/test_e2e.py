@@ -122,11 +122,29 @@ def test_table_ratios_and_update_cost(tmp_path):
     assert up["update_s"] == pytest.approx(0.5) and up["clean_step_s"] == pytest.approx(0.1)
     assert (up["update_windows"], up["clean_windows"]) == (4, 3)
     assert up["amortised_pct"] == pytest.approx(100 * 0.5 / (625 * 0.1))
-    assert "update" not in rows["static", "graph"]
+    # a full-length run: the update-free rate (10,000 tokens/s, as dense graph's) with 0.5 s per 625 steps
+    assert rows["dyn", "graph"]["x_dense_at_interval"] == pytest.approx(1 / (1 + 0.5 / (625 * 0.1)))
+    assert rows["dyn", "graph"]["x_dense"] < 0.9   # the benchmark's own run, updating every 16 steps
+    assert "update" not in rows["static", "graph"] and "x_dense_at_interval" not in rows["static", "graph"]
 
     text = e2e.format_table(list(rows.values()))
     assert "error: CUDA out of memory" in text and "0.80% /625" in text and "500.0" in text
+    assert text.splitlines()[0].split()[-3:] == ["x", "dense", "run"]
+    assert [ln.split()[-1] for ln in text.splitlines() if ln.startswith("dyn")] == ["0.992"]
     assert [ln.split()[:2] for ln in text.splitlines()[2:]][2] == ["static", "eager"]
+
+
+def test_plot_shows_a_dynamic_variant_at_the_recipe_interval(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    drawn = []
+    real_bar = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, xs, vals, *a, **k: drawn.append(list(vals))
+                        or real_bar(self, xs, vals, *a, **k))
+    rows = [{"variant": "dense", "mode": "compiled", "x_dense_best": 1.0},
+            {"variant": "dyn", "mode": "compiled", "x_dense_best": 0.8, "x_dense_at_interval": 1.12}]
+    e2e.plot(rows, str(tmp_path / "p.png"), "t")
+    assert drawn == [[1.0, 1.12]] and (tmp_path / "p.png").stat().st_size > 5_000
 
 
 def test_peak_is_the_steady_state_footprint_beside_the_startup_windows(tmp_path):
