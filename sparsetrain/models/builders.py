@@ -178,7 +178,7 @@ def build_model(
     check_model_args(arch, size, name_or_path=name_or_path, task=task, fused_qkv=fused_qkv)
     if arch == "hf":
         model = _load_pretrained(name_or_path, task, num_labels, attn_implementation, overrides)
-        return _fused(model) if fused_qkv else model
+        return _fused(model, fused_qkv)
 
     config = build_config(
         arch,
@@ -200,13 +200,16 @@ def build_model(
         from transformers import ViTForImageClassification
 
         model = ViTForImageClassification(config)
-    return _fused(model) if fused_qkv else model
+    return _fused(model, fused_qkv)
 
 
-def _fused(model):
+def _fused(model, fused_qkv: bool):
+    """The model's fusions: the query/key/value projection where asked; the feed-forward blocks always
+    (:mod:`sparsetrain.models.ffn`: the GELU runs in the kernels' epilogues where both linears are block-sparse)."""
+    from sparsetrain.models.ffn import use_gelu_mlp
     from sparsetrain.models.fused_qkv import fuse_qkv
 
-    return fuse_qkv(model)
+    return use_gelu_mlp(fuse_qkv(model) if fused_qkv else model)
 
 
 # ---- checks before anything is loaded, and the pretrained-model boundary -------------------------------------
@@ -344,7 +347,7 @@ def build_skeleton(arch: str, size: str = "tiny", **kwargs: Any):
     auto = AutoModelForMaskedLM if task == "mlm" else AutoModelForImageClassification
     with torch.device("meta"):
         model = auto.from_config(config)
-    return _fused(model) if kwargs.get("fused_qkv") else model
+    return _fused(model, bool(kwargs.get("fused_qkv")))
 
 
 def takes_masked_positions(arch: str = "bert", **_unused: Any) -> bool:

@@ -82,12 +82,14 @@ def candidates(a: Tensor, block: int, k: int) -> list[CudaDdsConfig]:
 
 class CudaDdsPlan:
     """One launch of ``bs_dds`` with everything but the data pointers fixed (called like the Triton plans:
-    ``plan(a, values, bias_or_placeholder, out)``)."""
+    ``plan(a, values, bias_or_placeholder, out)``, with an epilogue ``plan(a, values, bias, out, aux, out2)``,
+    :mod:`.epilogue`)."""
 
-    __slots__ = ("fn", "info", "wbound", "t", "k", "block", "cfg", "trans", "has_bias", "out_width")
+    __slots__ = ("fn", "info", "wbound", "t", "k", "block", "cfg", "trans", "has_bias", "out_width", "epi")
     stable = True   # its tables are kept on the metadata and refilled by BlockSparseMeta.rewrite_
+    native_epilogue = True
 
-    def __init__(self, a: Tensor, meta, cfg: CudaDdsConfig, forward: bool, has_bias: bool):
+    def __init__(self, a: Tensor, meta, cfg: CudaDdsConfig, forward: bool, has_bias: bool, epi: int = 0):
         so = _lib(a.device)
         if so is None:
             raise RuntimeError("the CUDA kernel bs_dds is unavailable here")
@@ -102,15 +104,28 @@ class CudaDdsPlan:
         self.block, self.cfg, self.trans, self.has_bias = block, cfg, not forward, has_bias
         n_out = meta.grid[0] if forward else meta.grid[1]
         self.out_width = n_out * block
+        self.epi = epi
 
-    def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
+    def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor, aux: Tensor | None = None,
+                 out2: Tensor | None = None) -> None:
         a, values, b_ptr, b_f32 = _operands(a, values, bias, self.has_bias)
+        aux_ptr, out2_ptr = _epilogue_ptrs(self.epi, out, aux, out2)
         rc = self.fn(a.data_ptr(), values.data_ptr(), self.info.data_ptr(), self.wbound.data_ptr(), b_ptr,
-                     out.data_ptr(), self.t, self.k, a.stride(0), out.stride(0), self.block, self.cfg.mt,
-                     self.cfg.half, self.cfg.splits, int(self.trans), int(a.dtype == torch.bfloat16), b_f32,
-                     raw_stream(a.device))
+                     out.data_ptr(), aux_ptr, out2_ptr, self.t, self.k, a.stride(0), out.stride(0), self.block,
+                     self.cfg.mt, self.cfg.half, self.cfg.splits, int(self.trans), int(a.dtype == torch.bfloat16),
+                     b_f32, self.epi, raw_stream(a.device))
         if rc != 0:
             raise RuntimeError(f"bs_dds launch failed with code {rc} ({self.cfg})")
+
+
+def _epilogue_ptrs(epi: int, out: Tensor, aux: Tensor | None, out2: Tensor | None) -> tuple[int, int]:
+    """The epilogue's pointers (0 where unused); ``aux`` and ``out2`` must be laid out as ``out``."""
+    if not epi:
+        return 0, 0
+    for name, t in (("out2", out2), ("aux", aux if epi == 2 else out)):
+        if t is None or t.stride() != out.stride() or t.dtype != out.dtype or t.shape != out.shape:
+            raise ValueError(f"bs_dds epilogue {epi}: {name} must have out's shape, strides and dtype")
+    return (aux.data_ptr() if epi == 2 else 0), out2.data_ptr()
 
 
 def _operands(a: Tensor, values: Tensor, bias: Tensor, has_bias: bool) -> tuple[Tensor, Tensor, int, int]:
@@ -159,10 +174,11 @@ def ks_candidates(a: Tensor, block: int, k: int) -> list[CudaKsConfig]:
 class CudaKsPlan:
     """One launch of ``bs_dds_ks`` (called like the other dense x block-sparse plans)."""
 
-    __slots__ = ("fn", "tables", "t", "k", "cfg", "trans", "has_bias", "grid_y", "out_width")
+    __slots__ = ("fn", "tables", "t", "k", "cfg", "trans", "has_bias", "grid_y", "out_width", "epi")
     stable = True
+    native_epilogue = True
 
-    def __init__(self, a: Tensor, meta, cfg: CudaKsConfig, forward: bool, has_bias: bool):
+    def __init__(self, a: Tensor, meta, cfg: CudaKsConfig, forward: bool, has_bias: bool, epi: int = 0):
         so = _lib(a.device)
         if so is None:
             raise RuntimeError("the CUDA kernel bs_dds is unavailable here")
@@ -174,13 +190,16 @@ class CudaKsPlan:
         self.t, self.k = a.shape
         self.cfg, self.trans, self.has_bias = cfg, not forward, has_bias
         self.out_width = n_out * meta.block
+        self.epi = epi
 
-    def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor) -> None:
+    def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor, aux: Tensor | None = None,
+                 out2: Tensor | None = None) -> None:
         a, values, b_ptr, b_f32 = _operands(a, values, bias, self.has_bias)
+        aux_ptr, out2_ptr = _epilogue_ptrs(self.epi, out, aux, out2)
         info, wstart, counts, n_parts, n_out = self.tables
         rc = self.fn(a.data_ptr(), values.data_ptr(), info.data_ptr(), wstart.data_ptr(), counts.data_ptr(), b_ptr,
-                     out.data_ptr(), self.t, self.k, a.stride(0), out.stride(0), n_parts, n_out, self.cfg.ob,
-                     self.grid_y, int(self.trans), int(a.dtype == torch.bfloat16), b_f32,
+                     out.data_ptr(), aux_ptr, out2_ptr, self.t, self.k, a.stride(0), out.stride(0), n_parts, n_out,
+                     self.cfg.ob, self.grid_y, int(self.trans), int(a.dtype == torch.bfloat16), b_f32, self.epi,
                      raw_stream(a.device))
         if rc != 0:
             raise RuntimeError(f"bs_dds_ks launch failed with code {rc} ({self.cfg})")
@@ -274,7 +293,7 @@ _DDS_PLANS = {CudaDdsConfig: CudaDdsPlan, CudaKsConfig: CudaKsPlan}
 def _make_plan(cfg: CudaDdsConfig | CudaKsConfig | CudaDwConfig, p: Product):
     if p.kind == "dw":
         return CudaDwPlan(p.a, p.meta, cfg, p.bias)
-    return _DDS_PLANS[type(cfg)](p.a, p.meta, cfg, p.forward, p.bias)
+    return _DDS_PLANS[type(cfg)](p.a, p.meta, cfg, p.forward, p.bias, p.epi)
 
 
 BACKEND = Backend("cuda", (CudaDdsConfig, CudaKsConfig, CudaDwConfig), _candidates, _make_plan)

@@ -36,9 +36,12 @@ def dense_x_blocksparse_kernel(
     oidx_ptr,  # [n_entries] int32 per padded entry: its output column block j
     bias_ptr,  # [N] bias, read only when HAS_BIAS
     out_ptr,   # [T, N] dense output, unit column stride, row stride stride_o; every element is written
+    aux_ptr,   # EPI 2: GELU's input, laid out as out (else unused)
+    out2_ptr,  # EPI 1, 2: GELU's output, laid out as out (else unused)
     T, stride_at, stride_ak, stride_o, n_out_blocks, n_ranges, blocks_per_prog,
     FORWARD: tl.constexpr,   # True: B = Wᵀ (entries listed per block-row of W); False: B = W (per block-column)
     HAS_BIAS: tl.constexpr,
+    EPI: tl.constexpr,       # 0, or an epilogue of sparsetrain.kernels.blocksparse.epilogue (_store_epilogue)
     BLOCK: tl.constexpr,     # block edge B (16, 32, 64, 128)
     GROUP_K: tl.constexpr,   # blocks gathered into one tl.dot (K = GROUP_K * BLOCK); entry lists padded to it
     BLOCK_T: tl.constexpr,   # tokens per program
@@ -110,8 +113,44 @@ def dense_x_blocksparse_kernel(
             res = tl.trans(acc) if WIDE else acc
             if HAS_BIAS:
                 res += tl.load(bias_ptr + j * BLOCK + offs_b).to(tl.float32)[None, :]
-            tl.store(out_rows + j * BLOCK + offs_b[None, :], res.to(out_ptr.dtype.element_ty), mask=t_ok[:, None])
+            off = offs_t.to(tl.int64)[:, None] * stride_o + j * BLOCK + offs_b[None, :]
+            _store_epilogue(out_ptr, aux_ptr, out2_ptr, off, res, t_ok[:, None], EPI)
             acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _dgelu(x):
+    return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def _store_epilogue(out_ptr, aux_ptr, out2_ptr, off, res, mask, EPI: tl.constexpr):
+    """Stores ``res`` (float32) at ``out_ptr + off`` in out's dtype, with the epilogue ``EPI``: 1, ``out2 =
+    gelu(out)``; 2, ``out = out * gelu'(aux)`` and ``out2 = gelu(aux)``. GELU is the exact (erf) one, computed in
+    float32 from the stored 16-bit values, as the unfused ops compute it."""
+    v = res.to(out_ptr.dtype.element_ty)
+    if EPI == 1:
+        tl.store(out2_ptr + off, _gelu(v.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    if EPI == 2:
+        p = tl.load(aux_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out2_ptr + off, _gelu(p).to(out_ptr.dtype.element_ty), mask=mask)
+        v = (v.to(tl.float32) * _dgelu(p)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + off, v, mask=mask)
+
+
+@triton.jit
+def gelu_epilogue_kernel(out_ptr, aux_ptr, out2_ptr, n, EPI: tl.constexpr, BLOCK: tl.constexpr):
+    """The epilogue of :func:`_store_epilogue` as a pass of its own over a finished product ``out`` (contiguous,
+    ``n`` elements; ``aux`` and ``out2`` alike): for plans whose kernel has no epilogue of its own."""
+    off = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = off < n
+    _store_epilogue(out_ptr, aux_ptr, out2_ptr, off, tl.load(out_ptr + off, mask=mask, other=0.0).to(tl.float32),
+                    mask, EPI)
 
 
 @triton.jit

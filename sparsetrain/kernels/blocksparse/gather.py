@@ -83,20 +83,31 @@ class TritonPlan:
     """One launch of one kernel with everything but the data pointers fixed: ``args`` holds the kernel's
     arguments with ``None`` at the positions listed in ``ptr_pos`` (filled per call)."""
 
-    __slots__ = ("kernel", "grid", "args", "ptr_pos", "options", "out_width", "atomic", "stable", "launch")
+    __slots__ = ("kernel", "grid", "args", "ptr_pos", "options", "out_width", "atomic", "stable", "launch",
+                 "native_epilogue")
 
     def __init__(self, kernel, grid: tuple[int, ...], args: list, ptr_pos: tuple[int, ...], options: dict, *,
-                 out_width: int = 0, atomic: bool = False, stable: bool = False):
+                 out_width: int = 0, atomic: bool = False, stable: bool = False, native_epilogue: bool = False):
         self.kernel, self.grid, self.args, self.ptr_pos, self.options = kernel, grid, args, ptr_pos, options
         self.out_width, self.atomic = out_width, atomic
+        #: built with Product.epi: called with the epilogue's two more tensors (aux, out2)
+        self.native_epilogue = native_epilogue
         #: its grid and integer arguments hold for any topology of the active count, and its tensors are
         #: refilled by BlockSparseMeta.rewrite_: the plan (and a CUDA graph that captured it) follows an update
         self.stable = stable
         self.launch = KernelLaunch(kernel, grid, options)
 
-    def __call__(self, *ptrs: Tensor) -> None:
+    def __call__(self, *ptrs: Tensor | None) -> None:
+        """``ptrs`` fill ``ptr_pos`` in order; a position left out or given None gets the last tensor given (a
+        pointer the kernel does not read under its options, e.g. the epilogue's without one)."""
         args = list(self.args)
-        for pos, t in zip(self.ptr_pos, ptrs):
+        last = ptrs[-1]
+        for i, pos in enumerate(self.ptr_pos):
+            t = ptrs[i] if i < len(ptrs) else None
+            if t is None:
+                t = last
+            else:
+                last = t
             args[pos] = t
         self.launch(*args)
 
@@ -113,7 +124,7 @@ def _choose_split(n_groups: int, T: int, block_t: int, device: torch.device) -> 
 
 
 def dds_plan(meta: BlockSparseMeta, cfg: DdsConfig, forward: bool, has_bias: bool, T: int,
-             a_strides: tuple[int, int]) -> TritonPlan:
+             a_strides: tuple[int, int], epi: int = 0) -> TritonPlan:
     """The launch plan of :func:`~._triton.dense_x_blocksparse_kernel` for one tile (built from integers only,
     so a plan made later, e.g. a TMA plan's fallback, keeps no call's tensors)."""
     from sparsetrain.kernels.blocksparse._triton import dense_x_blocksparse_kernel
@@ -123,13 +134,15 @@ def dds_plan(meta: BlockSparseMeta, cfg: DdsConfig, forward: bool, has_bias: boo
     ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k, fixed=True)
     n_ranges = cdiv(n_out, cfg.blocks_per_prog)
     grid = (cdiv(T, cfg.block_t) * n_ranges,)
-    args = [None, None, ptr, kidx, slot, oidx, None, None,
+    args = [None, None, ptr, kidx, slot, oidx, None, None, None, None,
             T, a_strides[0], a_strides[1], n_out * B, n_out, n_ranges, cfg.blocks_per_prog]
-    opts = dict(FORWARD=forward, HAS_BIAS=has_bias, BLOCK=B, GROUP_K=cfg.group_k, BLOCK_T=cfg.block_t,
+    opts = dict(FORWARD=forward, HAS_BIAS=has_bias, EPI=epi, BLOCK=B, GROUP_K=cfg.group_k, BLOCK_T=cfg.block_t,
                 CACHE_A=cfg.cache_a, WIDE=cfg.wide and cfg.group_k == 1, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
-    return TritonPlan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7), opts, out_width=n_out * B,
-                      stable=True)
+    # called plan(a, values, bias, out) or, with an epilogue, plan(a, values, bias, out, aux, out2); an unused
+    # pointer argument is given out's (the kernel does not touch it)
+    return TritonPlan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7, 8, 9), opts, out_width=n_out * B,
+                      stable=True, native_epilogue=True)
 
 
 def dw_plan(meta: BlockSparseMeta, cfg: DwConfig, with_bias: bool, T: int, x_strides: tuple[int, int],
@@ -158,7 +171,7 @@ def _make_plan(cfg: DdsConfig | DwConfig, p: Product) -> TritonPlan:
     T = p.a.shape[0]
     if p.kind == "dw":
         return dw_plan(p.meta, cfg, p.bias, T, p.a.stride(), p.b.stride(0), p.a.device)
-    return dds_plan(p.meta, cfg, p.forward, p.bias, T, p.a.stride())
+    return dds_plan(p.meta, cfg, p.forward, p.bias, T, p.a.stride(), p.epi)
 
 
 BACKEND = Backend("gather", (DdsConfig, DwConfig), _candidates, _make_plan)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from sparsetrain.kernels.blocksparse import _cuda, dense, gather, tma, tuner
+from sparsetrain.kernels.blocksparse.epilogue import EpiloguePlan
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.testing import HOOKS
 from sparsetrain.kernels.blocksparse.tuner import Product
@@ -89,6 +90,20 @@ def dds_planned(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor |
         out.fill_(float("nan"))
     if T == 0:
         return out, None
+    cfg, plan = _tune_dds(a, values, meta, bias, forward, out)
+    plan(a, values, bias if has_bias else a, out)
+    if not _may_cache(a.device):
+        return out, None
+    _keep_plan(meta, pkey, plan)
+    return out, plan
+
+
+def _tune_dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool,
+              out: Tensor, epi: int = 0):
+    """The tuner's config for this product (timed on ``out`` as scratch where it is timed) and its plan, built
+    with the epilogue ``epi``. The choice is the plain product's: an epilogue adds the same work to every kernel
+    that has it, and one pass (:class:`.epilogue.EpiloguePlan`) to the plans of the others."""
+    T, B, has_bias = a.shape[0], meta.block, bias is not None
     p = Product("fwd" if forward else "dx", meta, a, values, has_bias)
     built: dict = {}  # one plan per candidate while tuning, by (config type, config): timing excludes building
 
@@ -101,16 +116,44 @@ def dds_planned(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor |
         built[k](a, values, bias if has_bias else a, out)
         return out
 
-    key = (B, _pow2(T), meta.in_features if forward else meta.out_features, n_out * B,
+    key = (B, _pow2(T), meta.in_features if forward else meta.out_features, out.shape[1],
            tuner.density_bucket(meta), a.dtype, values.dtype, has_bias)
     kept = set(meta._groups)
     cfg = tuner.pick(p.kind, key, a.device, tuner.candidates(p), launch)
+    if epi:  # the chosen plan is built again, with the epilogue
+        built.pop(tuner.config_key(cfg), None)
+        p = Product(p.kind, meta, a, values, has_bias, epi)
     plan = _chosen_plan(meta, kept, built, cfg, p)
-    plan(a, values, bias if has_bias else a, out)
-    if not _may_cache(a.device):
-        return out, None
-    _keep_plan(meta, pkey, plan)
-    return out, plan
+    if epi and not getattr(plan, "native_epilogue", False):
+        plan = EpiloguePlan(plan, epi)
+    return cfg, plan
+
+
+def dds_epilogue(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool, epi: int,
+                 aux: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """:func:`dds` with the epilogue ``epi`` (:mod:`.epilogue`; ``aux`` [T, width] contiguous for
+    :data:`~.epilogue.DGELU`): ``(out, out2)``."""
+    T = a.shape[0]
+    has_bias = bias is not None
+    pkey = ("plan_dds_epi", epi, forward, T, a.stride(0), a.stride(1), a.dtype, values.dtype,
+            bias.dtype if has_bias else None, a.device, *tuner.steering())
+    plan = _plans(meta).get(pkey)
+    width = (meta.grid[0] if forward else meta.grid[1]) * meta.block
+    out = torch.empty(T, width, dtype=a.dtype, device=a.device)
+    out2 = torch.empty_like(out)
+    if HOOKS.poison:
+        out.fill_(float("nan"))
+        out2.fill_(float("nan"))
+    if T == 0:
+        return out, out2
+    if plan is None:
+        _, plan = _tune_dds(a, values, meta, bias, forward, out, epi)
+        if _may_cache(a.device):
+            _keep_plan(meta, pkey, plan)
+        if HOOKS.poison:
+            out.fill_(float("nan"))
+    plan(a, values, bias if has_bias else a, out, aux, out2)
+    return out, out2
 
 
 def sampled_grad(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,

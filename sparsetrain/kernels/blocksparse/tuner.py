@@ -50,6 +50,7 @@ class Product:
     a: Tensor  # fwd and dw: X [T, I]; dx: dY [T, O] (the dense operand, unit column stride)
     b: Tensor  # fwd and dx: values [n_blocks, B, B]; dw: dY [T, O]
     bias: bool  # fwd: a bias is added; dw: the bias gradient is fused; dx: always False
+    epi: int = 0  # fwd and dx: the epilogue (sparsetrain.kernels.blocksparse.epilogue), 0 for none
 
     @property
     def forward(self) -> bool:

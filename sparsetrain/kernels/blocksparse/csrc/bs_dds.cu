@@ -30,7 +30,9 @@ struct Args {
   const int32_t* wbound;   // [gridDim.y * WARPS + 1] first entry of each warp's range
   const void* bias;        // [n_out * BLK] or null
   uint16_t* out;           // [T, n_out * BLK], row stride so
-  int t, k, sa, so, bias_f32;
+  const uint16_t* aux;     // epilogue 2: GELU's input, as out (row stride so); else null
+  uint16_t* out2;          // epilogues 1, 2: GELU's output, as out; else null
+  int t, k, sa, so, bias_f32, epi;
 };
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -70,12 +72,44 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// The exact (erf) GELU and its derivative, in fp32, as torch computes them.
+__device__ __forceinline__ float gelu_f(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float dgelu_f(float x) {
+  return 0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * __expf(-0.5f * x * x);
+}
+
+template <bool BF16>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (BF16) return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&v));
+  else return __half22float2(*reinterpret_cast<__half2*>(&v));
+}
+
+// The epilogues on 8 stored 16-bit values v (a rounded output, as the plain product stores it), p (GELU's input
+// at the same place, epilogue 2): 1 (forward of Linear + GELU): out2 = gelu(v); 2 (input gradient of
+// GELU + Linear): out = v * gelu'(p), out2 = gelu(p) (the GELU output the weight gradient reads).
+template <bool BF16>
+__device__ __forceinline__ void epilogue8(uint4& v, uint4 p, uint4& g, int epi) {
+  uint32_t* vv = reinterpret_cast<uint32_t*>(&v);
+  const uint32_t* pp = reinterpret_cast<const uint32_t*>(&p);
+  uint32_t* gg = reinterpret_cast<uint32_t*>(&g);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = unpack2<BF16>(epi == 1 ? vv[i] : pp[i]);
+    gg[i] = pack2<BF16>(gelu_f(x.x), gelu_f(x.y));
+    if (epi == 2) {
+      const float2 d = unpack2<BF16>(vv[i]);
+      vv[i] = pack2<BF16>(d.x * dgelu_f(x.x), d.y * dgelu_f(x.y));
+    }
+  }
+}
+
 // Writes one warp's finished [16 * MT tokens x BLK] output tile (+ bias) and zeroes its accumulators: fragments
 // into the warp's shared-memory staging tile (rows BLK + 8 halves apart: conflict-free), then 16-byte stores of
-// whole rows, rows past T skipped.
+// whole rows, rows past T skipped; an epilogue (epi > 0, epilogue8) works on the 16-byte rows as they are stored.
 template <int BLK, int MT, bool BF16>
 __device__ __forceinline__ void store_block(float (&acc)[MT][BLK / 8][4], uint16_t* ostage, const void* bias,
-                                            int bias_f32, uint16_t* out, int so, int t, int t0, int col0) {
+                                            int bias_f32, uint16_t* out, int so, int t, int t0, int col0,
+                                            const uint16_t* aux, uint16_t* out2, int epi) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   constexpr int OS = BLK + 8, RCH = BLK / 8;  // staged row stride (halves), 16-byte chunks per row
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -108,9 +142,16 @@ __device__ __forceinline__ void store_block(float (&acc)[MT][BLK / 8][4], uint16
 #pragma unroll
   for (int i = 0; i < 16 * MT * RCH / 32; ++i) {
     const int c = lane + 32 * i, r = c / RCH, cc = c % RCH;
-    if (t0 + r < t)
-      *reinterpret_cast<uint4*>(out + static_cast<long long>(t0 + r) * so + col0 + 8 * cc) =
-          *reinterpret_cast<const uint4*>(ostage + r * OS + 8 * cc);
+    if (t0 + r < t) {
+      const long long o = static_cast<long long>(t0 + r) * so + col0 + 8 * cc;
+      uint4 v = *reinterpret_cast<const uint4*>(ostage + r * OS + 8 * cc);
+      if (epi) {
+        uint4 g;
+        epilogue8<BF16>(v, epi == 2 ? *reinterpret_cast<const uint4*>(aux + o) : v, g, epi);
+        *reinterpret_cast<uint4*>(out2 + o) = g;
+      }
+      *reinterpret_cast<uint4*>(out + o) = v;
+    }
   }
   __syncwarp();
 }
@@ -267,7 +308,8 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
     __syncwarp();  // every lane is done with this stage before a later issue() overwrites it
 
     if (inf.w)  // the output block is complete
-      store_block<BLK, MT, BF16>(acc, ostage, a.bias, a.bias_f32, a.out, a.so, a.t, t0, inf.z);
+      store_block<BLK, MT, BF16>(acc, ostage, a.bias, a.bias_f32, a.out, a.so, a.t, t0, inf.z, a.aux, a.out2,
+                                 a.epi);
   }
   cp_async_wait<0>();
 }
@@ -330,7 +372,9 @@ struct KsArgs {
   const int32_t* counts;   // [n_warps, n_parts, OB] entries per (part, output block of the warp)
   const void* bias;        // [n_out * 16] or null
   uint16_t* out;           // [T, n_out * 16], row stride so
-  int t, k, sa, so, bias_f32, n_parts, n_out;
+  const uint16_t* aux;     // the epilogue's operands, as in Args
+  uint16_t* out2;
+  int t, k, sa, so, bias_f32, n_parts, n_out, epi;
 };
 
 template <int MT, int OB, int WARPS, int KP, int S>
@@ -464,7 +508,8 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
 #pragma unroll
   for (int j = 0; j < OB; ++j) {
     if (ob0 + j >= a.n_out) break;
-    store_block<16, MT, BF16>(acc[j], ostage, a.bias, a.bias_f32, a.out, a.so, a.t, t0, (ob0 + j) * 16);
+    store_block<16, MT, BF16>(acc[j], ostage, a.bias, a.bias_f32, a.out, a.so, a.t, t0, (ob0 + j) * 16, a.aux,
+                              a.out2, a.epi);
   }
 }
 
@@ -503,11 +548,13 @@ int sparsetrain_bs_dds_smem(int blk, int mt, int half, int k) {
 }
 
 // Returns 0 on success, a cudaError_t code otherwise, -1 for arguments this kernel does not take.
+// epi: 0 none, 1 GELU after the product (out2 = gelu(out)), 2 GELU's derivative (out *= gelu'(aux), out2 =
+// gelu(aux)); aux and out2 have out's row stride (bs_dds_ks: the same).
 int sparsetrain_bs_dds(long long a_ptr, long long values, long long info, long long wbound, long long bias,
-                       long long out, int t, int k, int sa, int so, int blk, int mt, int half, int grid_y,
-                       int trans, int bf16, int bias_f32, long long stream) {
+                       long long out, long long aux, long long out2, int t, int k, int sa, int so, int blk, int mt,
+                       int half, int grid_y, int trans, int bf16, int bias_f32, int epi, long long stream) {
   if (t < 1 || k < blk || (k % blk) || (sa & 7) || (so & 7) || (a_ptr & 15) || (values & 15) || (out & 15) ||
-      (info & 15) || grid_y < 1)
+      (info & 15) || grid_y < 1 || epi < 0 || epi > 2 || (epi && (out2 & 15)) || (epi == 2 && (aux & 15)))
     return -1;
   Args a;
   a.a = reinterpret_cast<const uint16_t*>(a_ptr);
@@ -516,7 +563,9 @@ int sparsetrain_bs_dds(long long a_ptr, long long values, long long info, long l
   a.wbound = reinterpret_cast<const int32_t*>(wbound);
   a.bias = reinterpret_cast<const void*>(bias);
   a.out = reinterpret_cast<uint16_t*>(out);
-  a.t = t; a.k = k; a.sa = sa; a.so = so; a.bias_f32 = bias_f32;
+  a.aux = reinterpret_cast<const uint16_t*>(aux);
+  a.out2 = reinterpret_cast<uint16_t*>(out2);
+  a.t = t; a.k = k; a.sa = sa; a.so = so; a.bias_f32 = bias_f32; a.epi = epi;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   return with_tile(blk, mt, half, [&]<int B, int MT, bool H>() {
     constexpr int W = Shape<B, H>::WARPS, S = Shape<B, H>::S;
@@ -537,10 +586,12 @@ int sparsetrain_bs_dds_ks_shape(int ob, int* tm, int* warps, int* kp) {
 }
 
 int sparsetrain_bs_dds_ks(long long a_ptr, long long values, long long info, long long wstart, long long counts,
-                          long long bias, long long out, int t, int k, int sa, int so, int n_parts, int n_out,
-                          int ob, int grid_y, int trans, int bf16, int bias_f32, long long stream) {
+                          long long bias, long long out, long long aux, long long out2, int t, int k, int sa, int so,
+                          int n_parts, int n_out, int ob, int grid_y, int trans, int bf16, int bias_f32, int epi,
+                          long long stream) {
   if (t < 1 || (k & 15) || (sa & 7) || (so & 7) || (a_ptr & 15) || (values & 15) || (out & 15) || (info & 7) ||
-      grid_y < 1 || n_parts < 1 || n_parts * KS_KP < k)
+      grid_y < 1 || n_parts < 1 || n_parts * KS_KP < k || epi < 0 || epi > 2 || (epi && (out2 & 15)) ||
+      (epi == 2 && (aux & 15)))
     return -1;
   KsArgs a;
   a.a = reinterpret_cast<const uint16_t*>(a_ptr);
@@ -550,7 +601,10 @@ int sparsetrain_bs_dds_ks(long long a_ptr, long long values, long long info, lon
   a.counts = reinterpret_cast<const int32_t*>(counts);
   a.bias = reinterpret_cast<const void*>(bias);
   a.out = reinterpret_cast<uint16_t*>(out);
+  a.aux = reinterpret_cast<const uint16_t*>(aux);
+  a.out2 = reinterpret_cast<uint16_t*>(out2);
   a.t = t; a.k = k; a.sa = sa; a.so = so; a.bias_f32 = bias_f32; a.n_parts = n_parts; a.n_out = n_out;
+  a.epi = epi;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   auto go = [&]<int OB>() {
     if (trans) return bf16 ? launch_ks<OB, true, true>(a, grid_y, s) : launch_ks<OB, true, false>(a, grid_y, s);

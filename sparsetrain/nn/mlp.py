@@ -1,0 +1,56 @@
+"""The feed-forward block ``fc2(gelu(fc1(x)))`` (exact GELU), with the GELU fused into the block-sparse kernels
+where both linears are block-sparse: :func:`gelu_mlp`.
+
+Where ``fc1`` and ``fc2`` are both :class:`~sparsetrain.nn.SparseLinear` in the ``block`` format and run on the
+kernels (CUDA, or the Triton interpreter), the GELU runs in the kernels' epilogues
+(:mod:`sparsetrain.kernels.blocksparse.gelu`): ``fc1``'s forward stores ``h`` and ``gelu(h)``, and ``fc2``'s
+input gradient returns the gradient of ``h`` directly. The result and the gradients are those of the plain
+modules up to float rounding; the step moves less memory. Anything else (dense linears, another format, the
+plain-torch reference path, a RigL step that captures the dense gradient, ``trainer.kernels.fused_gelu=false``)
+runs the plain modules.
+
+The BERT and ViT models that :mod:`sparsetrain.models` builds call this from their feed-forward blocks.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sparsetrain.kernels._runtime.options import IN_FORCE
+from sparsetrain.kernels.blocksparse.op import _autocast_dtype, uses_kernels
+from sparsetrain.nn.formats.block import BlockFormat
+from sparsetrain.nn.sparse_linear import SparseLinear
+
+
+def _block_layer(m: nn.Module) -> bool:
+    return (isinstance(m, SparseLinear) and isinstance(m.storage, BlockFormat) and not m.capture_dense_grad
+            and isinstance(m._parameters.get("values"), torch.Tensor))
+
+
+def fusable(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> bool:
+    """Whether :func:`gelu_mlp` takes the fused kernels for this input (``x`` as autocast makes it)."""
+    if not (IN_FORCE[0].fused_gelu and _block_layer(fc1) and _block_layer(fc2)):
+        return False
+    m1, m2 = BlockFormat.meta(fc1), BlockFormat.meta(fc2)
+    if m1.out_features != m2.in_features or x.shape[-1] != m1.in_features or x.numel() == 0:
+        return False
+    return uses_kernels(x, m1) and uses_kernels(x, m2) and not torch._C._are_functorch_transforms_active()
+
+
+def gelu_mlp(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> Tensor:
+    """``fc2(gelu(fc1(x)))`` with the exact GELU; fused into the block-sparse kernels where :func:`fusable`."""
+    from sparsetrain.kernels.blocksparse.gelu import block_sparse_gelu_linear, block_sparse_linear_gelu
+
+    cast = _autocast_dtype(x.device.type)
+    xc = x.to(cast) if cast is not None and x.dtype != cast else x
+    if not fusable(xc, fc1, fc2):
+        return fc2(F.gelu(fc1(x)))
+    lead = x.shape[:-1]
+    m1, m2 = BlockFormat.meta(fc1), BlockFormat.meta(fc2)
+    pre, post = block_sparse_linear_gelu(xc.reshape(-1, m1.in_features).contiguous(), fc1.values, m1, fc1.bias)
+    y = block_sparse_gelu_linear(pre, post, fc2.values, m2, fc2.bias)
+    return y.reshape(*lead, m2.out_features)
+
+
+__all__ = ["fusable", "gelu_mlp"]
