@@ -66,7 +66,7 @@ def dense_x_blocksparse_kernel(
     # int64 row offsets: T * K can pass 2**31 for long sequences. (Launchers pass row-major A: stride_ak == 1,
     # which Triton specializes, so the gathered rows are known contiguous and loaded 16 bytes at a time.)
     a_rows = a_ptr + offs_t.to(tl.int64)[:, None] * stride_at
-    out_rows = out_ptr + offs_t.to(tl.int64)[:, None] * stride_o
+    out_rows = offs_t.to(tl.int64)[:, None] * stride_o  # element offsets of the output rows
     acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
     for e0 in range(e_begin, e_end, GROUP_K):
         j = tl.load(oidx_ptr + e0)
@@ -113,8 +113,8 @@ def dense_x_blocksparse_kernel(
             res = tl.trans(acc) if WIDE else acc
             if HAS_BIAS:
                 res += tl.load(bias_ptr + j * BLOCK + offs_b).to(tl.float32)[None, :]
-            off = offs_t.to(tl.int64)[:, None] * stride_o + j * BLOCK + offs_b[None, :]
-            _store_epilogue(out_ptr, aux_ptr, out2_ptr, off, res, t_ok[:, None], EPI)
+            _store_epilogue(out_ptr, aux_ptr, out2_ptr, out_rows + j * BLOCK + offs_b[None, :], res, t_ok[:, None],
+                            EPI)
             acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
 
 
