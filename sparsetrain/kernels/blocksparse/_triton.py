@@ -119,13 +119,8 @@ def dense_x_blocksparse_kernel(
 
 
 @triton.jit
-def _gelu(x):
-    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
-
-
-@triton.jit
-def _dgelu(x):
-    return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476)) + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+def _cdf(x):
+    return 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
 
 @triton.jit
@@ -135,11 +130,14 @@ def _store_epilogue(out_ptr, aux_ptr, out2_ptr, off, res, mask, EPI: tl.constexp
     float32 from the stored 16-bit values, as the unfused ops compute it."""
     v = res.to(out_ptr.dtype.element_ty)
     if EPI == 1:
-        tl.store(out2_ptr + off, _gelu(v.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+        h = v.to(tl.float32)
+        tl.store(out2_ptr + off, (h * _cdf(h)).to(out_ptr.dtype.element_ty), mask=mask)
     if EPI == 2:
         p = tl.load(aux_ptr + off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out2_ptr + off, _gelu(p).to(out_ptr.dtype.element_ty), mask=mask)
-        v = (v.to(tl.float32) * _dgelu(p)).to(out_ptr.dtype.element_ty)
+        cdf = _cdf(p)  # one erf for GELU and its derivative
+        tl.store(out2_ptr + off, (p * cdf).to(out_ptr.dtype.element_ty), mask=mask)
+        dgelu = cdf + p * 0.3989422804014327 * tl.exp(-0.5 * p * p)
+        v = (v.to(tl.float32) * dgelu).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + off, v, mask=mask)
 
 

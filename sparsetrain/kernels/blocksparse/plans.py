@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from sparsetrain.kernels.blocksparse import _cuda, dense, gather, tma, tuner
-from sparsetrain.kernels.blocksparse.epilogue import EpiloguePlan
+from sparsetrain.kernels.blocksparse.epilogue import NAMES, EpiloguePlan
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.testing import HOOKS
 from sparsetrain.kernels.blocksparse.tuner import Product
@@ -99,10 +99,12 @@ def dds_planned(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor |
 
 
 def _tune_dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool,
-              out: Tensor, epi: int = 0):
+              out: Tensor, epi: int = 0, aux: Tensor | None = None, out2: Tensor | None = None):
     """The tuner's config for this product (timed on ``out`` as scratch where it is timed) and its plan, built
-    with the epilogue ``epi``. The choice is the plain product's: an epilogue adds the same work to every kernel
-    that has it, and one pass (:class:`.epilogue.EpiloguePlan`) to the plans of the others."""
+    with the epilogue ``epi`` (``aux``, ``out2``: its operands, scratch for timing). The config is the plain
+    product's. Where that config's kernel has the epilogue, it is timed once per shape against the plain kernel
+    followed by the epilogue's own pass, and the faster is kept: the epilogue's arithmetic runs inside a kernel
+    whose issue slots are the bottleneck, where a pass of its own overlaps it with memory traffic."""
     T, B, has_bias = a.shape[0], meta.block, bias is not None
     p = Product("fwd" if forward else "dx", meta, a, values, has_bias)
     built: dict = {}  # one plan per candidate while tuning, by (config type, config): timing excludes building
@@ -126,7 +128,34 @@ def _tune_dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | N
     plan = _chosen_plan(meta, kept, built, cfg, p)
     if epi and not getattr(plan, "native_epilogue", False):
         plan = EpiloguePlan(plan, epi)
+    elif epi:
+        forms = {"fused": plan, "pass": EpiloguePlan(tuner.make_plan(cfg, Product(p.kind, meta, a, values,
+                                                                                       has_bias)), epi)}
+
+        def run_form(form: str) -> tuple[Tensor, Tensor]:
+            forms[form](a, values, bias if has_bias else a, out, aux, out2)
+            return out, out2
+
+        plan = forms[_pick_form(f"{p.kind}+{NAMES[epi]}", (*key, tuner.config_key(cfg)), a.device, run_form)]
     return cfg, plan
+
+
+_FORMS: dict[tuple, str] = {}  # (kind, shape key, config, options) -> "fused" or "pass", timed in this process
+
+
+def _pick_form(kind: str, key: tuple, device: torch.device, run_form) -> str:
+    """``"fused"`` (the kernel's own epilogue) or ``"pass"`` (the plain kernel, then the epilogue's pass),
+    timed once per shape and config in this process where the tuner times (else ``"fused"``)."""
+    timer = HOOKS.timer
+    if (timer is None and (tuner.interpreting() or device.type != "cuda")) or not HOOKS.tune or not _may_cache(
+            device):
+        return "fused"
+    full = (kind, *key, *tuner.option_key())
+    if full not in _FORMS:
+        timed = tuner.time_candidates(kind, key, ["fused", "pass"], run_form, timer or tuner._do_bench,
+                                      check=timer is None)
+        _FORMS[full] = min(timed, key=lambda t: t[1])[0] if timed else "fused"
+    return _FORMS[full]
 
 
 def dds_epilogue(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None, forward: bool, epi: int,
@@ -147,7 +176,7 @@ def dds_epilogue(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor 
     if T == 0:
         return out, out2
     if plan is None:
-        _, plan = _tune_dds(a, values, meta, bias, forward, out, epi)
+        _, plan = _tune_dds(a, values, meta, bias, forward, out, epi, aux, out2)
         if _may_cache(a.device):
             _keep_plan(meta, pkey, plan)
         if HOOKS.poison:

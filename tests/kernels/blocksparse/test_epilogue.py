@@ -11,7 +11,6 @@ from sparsetrain.kernels.blocksparse import _cuda, epilogue, gather, plans
 from sparsetrain.kernels.blocksparse.epilogue import DGELU, GELU, EpiloguePlan
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.testing import forced_config
-from sparsetrain.kernels.blocksparse.tuner import Product
 
 
 def test_reference_is_gelu_and_its_derivative():
@@ -94,10 +93,12 @@ def test_epilogue_pass_contiguous_and_strided():
     torch.testing.assert_close(out2b, expect)
 
 
-def test_the_choice_is_the_plain_products(monkeypatch):
-    """dds_epilogue asks the tuner for the plain product's config (the same key and candidates as dds) and
-    builds that config with the epilogue."""
+def test_the_choice_is_the_plain_products_then_the_faster_form(monkeypatch):
+    """dds_epilogue asks the tuner for the plain product's config (the same key and candidates as dds), builds
+    that config with the epilogue, and where the kernel has it, times it against the plain kernel plus a pass of
+    its own and keeps the faster (a CPU test drives the timing with a fake timer)."""
     from sparsetrain.kernels.blocksparse import tuner
+    from sparsetrain.kernels.blocksparse.testing import use_timer
 
     meta, values, a, bias, aux = _case(16, True, torch.float16)
     seen = []
@@ -111,12 +112,22 @@ def test_the_choice_is_the_plain_products(monkeypatch):
     plans.dds(a, values, meta, bias, True)
     plans.dds_epilogue(a, values, meta, bias, True, GELU)
     assert len(seen) == 2 and seen[0] == seen[1]
+    kept = [p for k, p in meta._groups["plans"].items() if k[0] == "plan_dds_epi"]
+    assert len(kept) == 1 and kept[0].native_epilogue           # untimed (interpreter): the fused form
     made = []
     real_make = tuner.make_plan
-    monkeypatch.setattr(tuner, "make_plan", lambda cfg, p: made.append(p) or real_make(cfg, p))
-    meta._groups.clear()
-    plans.dds_epilogue(a, values, meta, bias, True, GELU)
-    assert [p.epi for p in made] == [GELU] and isinstance(made[0], Product)
+    monkeypatch.setattr(tuner, "make_plan", lambda cfg, p: made.append(p.epi) or real_make(cfg, p))
+    for faster in ("pass", "fused"):
+        meta._groups.clear()
+        tuner._TUNED.clear()
+        plans._FORMS.clear()
+        with use_timer(lambda cfg, launch, faster=faster: (launch(), 1.0 if cfg == faster else 2.0)[1]):
+            out, out2 = plans.dds_epilogue(a, values, meta, bias, True, GELU)
+        kept = [p for k, p in meta._groups["plans"].items() if k[0] == "plan_dds_epi"]
+        assert len(kept) == 1 and kept[0].native_epilogue == (faster == "fused"), faster
+        want, want2 = epilogue.reference(plans.dds(a, values, meta, bias, True), None, GELU)
+        torch.testing.assert_close(out2, want2, rtol=2e-3, atol=2e-3)
+    assert GELU in made and 0 in made
 
 
 # ---- on the GPU -----------------------------------------------------------------------------------------------

@@ -72,10 +72,12 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// The exact (erf) GELU and its derivative, in fp32, as torch computes them.
+// The exact (erf) GELU, and GELU with its derivative from one erf, in fp32, as torch computes them.
 __device__ __forceinline__ float gelu_f(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float dgelu_f(float x) {
-  return 0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * __expf(-0.5f * x * x);
+__device__ __forceinline__ void gelu_dgelu_f(float x, float& g, float& dg) {
+  const float cdf = 0.5f * (1.f + erff(x * 0.70710678118654752f));
+  g = x * cdf;
+  dg = cdf + x * 0.39894228040143268f * __expf(-0.5f * x * x);
 }
 
 template <bool BF16>
@@ -94,11 +96,16 @@ __device__ __forceinline__ void epilogue8(uint4& v, uint4 p, uint4& g, int epi) 
   uint32_t* gg = reinterpret_cast<uint32_t*>(&g);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 x = unpack2<BF16>(epi == 1 ? vv[i] : pp[i]);
-    gg[i] = pack2<BF16>(gelu_f(x.x), gelu_f(x.y));
-    if (epi == 2) {
-      const float2 d = unpack2<BF16>(vv[i]);
-      vv[i] = pack2<BF16>(d.x * dgelu_f(x.x), d.y * dgelu_f(x.y));
+    if (epi == 1) {
+      const float2 x = unpack2<BF16>(vv[i]);
+      gg[i] = pack2<BF16>(gelu_f(x.x), gelu_f(x.y));
+    } else {
+      const float2 x = unpack2<BF16>(pp[i]), d = unpack2<BF16>(vv[i]);
+      float g0, g1, d0, d1;
+      gelu_dgelu_f(x.x, g0, d0);
+      gelu_dgelu_f(x.y, g1, d1);
+      gg[i] = pack2<BF16>(g0, g1);
+      vv[i] = pack2<BF16>(d.x * d0, d.y * d1);
     }
   }
 }
