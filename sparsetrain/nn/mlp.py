@@ -1,13 +1,15 @@
-"""The feed-forward block ``fc2(gelu(fc1(x)))`` (exact GELU), with the GELU fused into the block-sparse kernels
-where both linears are block-sparse: :func:`gelu_mlp`.
+"""The feed-forward block ``fc2(gelu(fc1(x)))`` (exact GELU): :func:`gelu_mlp`, with GELU recomputed in the
+backward where both linears are block-sparse and ``trainer.kernels.gelu_recompute`` is on.
 
-Where ``fc1`` and ``fc2`` are both :class:`~sparsetrain.nn.SparseLinear` in the ``block`` format and run on the
-kernels (CUDA, or the Triton interpreter), the GELU runs in the kernels' epilogues
-(:mod:`sparsetrain.kernels.blocksparse.gelu`): ``fc1``'s forward stores ``h`` and ``gelu(h)``, and ``fc2``'s
-input gradient returns the gradient of ``h`` directly. The result and the gradients are those of the plain
-modules up to float rounding; the step moves less memory. Anything else (dense linears, another format, the
-plain-torch reference path, a RigL step that captures the dense gradient, ``trainer.kernels.fused_gelu=false``)
-runs the plain modules.
+Unfused, the step keeps GELU's input ``h`` and its output ``gelu(h)`` for the backward: two ``[tokens, 4H]``
+tensors per layer. With ``gelu_recompute`` (both linears :class:`~sparsetrain.nn.SparseLinear` in the ``block``
+format, on the kernels: CUDA or the Triton interpreter) only ``h`` is kept: ``fc1``'s product stores ``h`` and
+``gelu(h)``, and ``fc2``'s input gradient returns the gradient of ``h`` and ``gelu(h)`` again for its weight
+gradient (:mod:`sparsetrain.kernels.blocksparse.gelu`; in the kernels' epilogues or in a pass of their own,
+whichever the tuner times faster). Same outputs and gradients up to float rounding; BERT-base at 256 x 128
+tokens holds ~2.2 GB less, for a few percent of step time (docs/benchmarks/e2e.md). Anything else (dense
+linears, another format, the plain-torch reference path, a RigL step that captures the dense gradient, the
+option off) runs the plain modules.
 
 The BERT and ViT models that :mod:`sparsetrain.models` builds call this from their feed-forward blocks.
 """
@@ -29,8 +31,8 @@ def _block_layer(m: nn.Module) -> bool:
 
 
 def fusable(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> bool:
-    """Whether :func:`gelu_mlp` takes the fused kernels for this input (``x`` as autocast makes it)."""
-    if not (IN_FORCE[0].fused_gelu and _block_layer(fc1) and _block_layer(fc2)):
+    """Whether :func:`gelu_mlp` takes the fused ops for this input (``x`` as autocast makes it)."""
+    if not (IN_FORCE[0].gelu_recompute and _block_layer(fc1) and _block_layer(fc2)):
         return False
     m1, m2 = BlockFormat.meta(fc1), BlockFormat.meta(fc2)
     if m1.out_features != m2.in_features or x.shape[-1] != m1.in_features or x.numel() == 0:
@@ -39,7 +41,7 @@ def fusable(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> bool:
 
 
 def gelu_mlp(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> Tensor:
-    """``fc2(gelu(fc1(x)))`` with the exact GELU; fused into the block-sparse kernels where :func:`fusable`."""
+    """``fc2(gelu(fc1(x)))`` with the exact GELU; GELU recomputed in the backward where :func:`fusable`."""
     from sparsetrain.kernels.blocksparse.gelu import block_sparse_gelu_linear, block_sparse_linear_gelu
 
     cast = _autocast_dtype(x.device.type)

@@ -1,6 +1,7 @@
-"""gelu_mlp (sparsetrain.nn.mlp): a feed-forward block whose two linears are block-sparse runs its GELU in the
-kernels' epilogues (the Triton interpreter here) and gives the plain modules' output and gradients, eager and
-compiled; anything else runs the plain modules. The BERT and ViT models built here use it."""
+"""gelu_mlp (sparsetrain.nn.mlp): with trainer.kernels.gelu_recompute, a feed-forward block whose two linears are
+block-sparse keeps only GELU's input and recomputes GELU in the backward (the Triton interpreter here), with the
+plain modules' output and gradients, eager and compiled; anything else runs the plain modules. The BERT and ViT
+models built here use it."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,12 @@ import torch.nn.functional as F
 from sparsetrain.kernels._runtime.options import use_kernel_options
 from sparsetrain.nn import SparseLinear
 from sparsetrain.nn.mlp import fusable, gelu_mlp
+
+
+@pytest.fixture(autouse=True)
+def _recompute_on():
+    with use_kernel_options(gelu_recompute=True):
+        yield
 
 
 def _pair(block=16, density=0.5, dtype=torch.float32):
@@ -81,7 +88,7 @@ def test_not_fused_where_it_cannot_be():
     assert not fusable(x, dense1, fc2) and not fusable(x, fc1, masked)
     assert not fusable(torch.randn(4, 32), fc1, fc2)                 # wrong width
     assert not fusable(torch.randn(0, 64), fc1, fc2)                 # no tokens
-    with use_kernel_options(fused_gelu=False):
+    with use_kernel_options(gelu_recompute=False):
         assert not fusable(x, fc1, fc2)
     fc2.capture_dense_grad = True                                     # a RigL step: the hook path, unfused
     assert not fusable(x, fc1, fc2)
@@ -130,7 +137,7 @@ def test_models_use_it_and_compute_the_same(monkeypatch):
 
     fused = run()
     assert len(calls) == model.config.num_hidden_layers
-    with use_kernel_options(fused_gelu=False):
+    with use_kernel_options(gelu_recompute=False):
         unfused = run()
     assert len(calls) == model.config.num_hidden_layers
     assert len(fused) == len(unfused) > 1

@@ -30,9 +30,10 @@ class KernelOptions:
     #: The dense fallback is picked only when its GPU time is below ``dense_margin`` x the best block kernel's
     #: (the tuner times GPU work only); 1.0 takes the plain fastest. In (0, 1].
     dense_margin: float = 0.85
-    #: A feed-forward block whose two linears are block-sparse runs its GELU in the block kernels' epilogues
-    #: (sparsetrain.nn.mlp); off: as an op of its own between them.
-    fused_gelu: bool = True
+    #: A feed-forward block whose two linears are block-sparse keeps only GELU's input for the backward and
+    #: computes GELU again there (sparsetrain.nn.mlp): less activation memory, a slower step. Off: GELU is an op
+    #: of its own between the two linears, its output kept.
+    gelu_recompute: bool = False
     #: Launch compiled Triton kernels directly, skipping Triton's dispatcher when nothing it decides changed.
     fast_launch: bool = True
     #: Inference SpMM: ``auto`` uses the CUDA kernels where built, ``triton`` always the Triton kernel.

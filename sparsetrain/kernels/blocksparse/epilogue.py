@@ -1,18 +1,19 @@
-"""Epilogues of the dense x block-sparse products: elementwise work done where a product stores its output, so the
-output is not written, read back and written again by a kernel of its own.
+"""Epilogues of the dense x block-sparse products: elementwise work done on a product's output as it is stored
+(in the kernel, or as one pass of its own after it).
 
-Two, for a feed-forward block ``Linear -> GELU -> Linear`` (:mod:`sparsetrain.nn.mlp`), GELU being the exact
-(erf) one:
+Two, for a feed-forward block ``Linear -> GELU -> Linear`` that keeps only GELU's input for the backward
+(:mod:`sparsetrain.kernels.blocksparse.gelu`), GELU being the exact (erf) one:
 
 - :data:`GELU` (the first linear's forward): ``out = x·Wᵀ + b`` (GELU's input, kept for the backward) and
   ``out2 = gelu(out)`` (the second linear's input);
 - :data:`DGELU` (the second linear's input gradient): with ``aux`` = GELU's input, ``out = (dY·W) * gelu'(aux)``
   (the gradient of GELU's input) and ``out2 = gelu(aux)`` (GELU's output again, for the second linear's weight
-  gradient: recomputed instead of kept, so the step holds the same activations as without the epilogue).
+  gradient: recomputed instead of kept).
 
 Both work on the product rounded to its 16-bit dtype, in float32, as the unfused ops do. ``aux`` and ``out2`` are
-laid out as ``out``. The CUDA and Triton gather kernels run them in their output store; a plan of another backend
-is wrapped in :class:`EpiloguePlan` (the product, then one elementwise pass).
+laid out as ``out``. The CUDA and Triton gather kernels can run them in their output store; a plan of another
+backend, or one whose own epilogue times slower, is wrapped in :class:`EpiloguePlan` (the product, then one
+elementwise pass).
 """
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
-"""A feed-forward block's two block-sparse linears with the exact GELU between them taken into the kernels'
-epilogues (:mod:`.epilogue`): ``y = gelu(x·W1ᵀ + b1)·W2ᵀ + b2`` as two ``torch.library`` ops.
+"""A feed-forward block's two block-sparse linears with the exact GELU between them, recomputed in the backward
+instead of kept: ``y = gelu(x·W1ᵀ + b1)·W2ᵀ + b2`` as two ``torch.library`` ops.
 
-- :func:`block_sparse_linear_gelu`: the first linear; its kernel stores ``h = x·W1ᵀ + b1`` and ``gelu(h)``.
-  Its gradient is the plain linear's, taken with respect to ``h``.
+- :func:`block_sparse_linear_gelu`: the first linear; it stores ``h = x·W1ᵀ + b1`` and ``gelu(h)`` (the
+  :data:`~.epilogue.GELU` epilogue). Its gradient is the plain linear's, taken with respect to ``h``.
 - :func:`block_sparse_gelu_linear`: the second linear, given ``h`` and ``gelu(h)``: the forward multiplies
-  ``gelu(h)``; the backward's input-gradient kernel returns ``dL/dh`` directly (``(dY·W2) * gelu'(h)``) and
-  ``gelu(h)`` again for the weight gradient, so only ``h`` is kept for the backward, as without fusion.
+  ``gelu(h)`` and keeps only ``h``; the backward's input-gradient product returns ``dL/dh = (dY·W2) * gelu'(h)``
+  and ``gelu(h)`` again for the weight gradient (:data:`~.epilogue.DGELU`).
 
-Unfused, GELU reads ``h`` and writes ``gelu(h)`` in the forward, and its backward reads ``dL/dgelu(h)`` and
-``h`` and writes ``dL/dh`` (and ``gelu(h)`` again for the weight gradient): at BERT-base's 3072-wide FFN and
-32,768 tokens about 0.6 GB a layer that the epilogues do not move. Both ops run the kernels only (no reference
-path): :mod:`sparsetrain.nn.mlp` takes them where every layer involved runs on the kernels.
+Each epilogue runs in the product's kernel or as a pass of its own after it, whichever the tuner times faster
+(:func:`.plans.dds_epilogue`). Both ops run the kernels only (no reference path): :mod:`sparsetrain.nn.mlp`
+takes them where every layer involved runs on the kernels.
 """
 from __future__ import annotations
 

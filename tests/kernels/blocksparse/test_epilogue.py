@@ -10,7 +10,7 @@ from blocksparse_cases import make_mask
 from sparsetrain.kernels.blocksparse import _cuda, epilogue, gather, plans
 from sparsetrain.kernels.blocksparse.epilogue import DGELU, GELU, EpiloguePlan
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
-from sparsetrain.kernels.blocksparse.testing import forced_config
+from sparsetrain.kernels.blocksparse.testing import forced_config, untuned
 
 
 def test_reference_is_gelu_and_its_derivative():
@@ -144,8 +144,9 @@ def _cuda_tiles(meta, forward, b, dtype):
 @pytest.mark.parametrize("b", [16, 32])
 @pytest.mark.parametrize("forward,epi", [(True, GELU), (False, DGELU)])
 def test_gpu_cuda_epilogues_every_tile(dtype, b, forward, epi, poison):
-    """Every CUDA tile (X-stationary; K-streamed where K allows) with each epilogue = its plain product, then the
-    epilogue in torch; T not a multiple of any tile, and T = 5."""
+    """Every CUDA tile (X-stationary; K-streamed where K allows) with each epilogue in the kernel, and the same
+    tile followed by the epilogue's own pass = its plain product, then the epilogue in torch; T not a multiple of
+    any tile, and T = 5."""
     torch.backends.cuda.matmul.allow_tf32 = False
     I, O = (768, 1600) if forward else (1600, 768)  # K = 1600 for the K-streamed 16x16 tiles in the input gradient
     gen = torch.Generator().manual_seed(b + epi)
@@ -154,13 +155,17 @@ def test_gpu_cuda_epilogues_every_tile(dtype, b, forward, epi, poison):
         a = torch.randn(T, I if forward else O, device="cuda", dtype=dtype)
         values = (torch.randn(meta.n_blocks, b, b, device="cuda") / b).to(dtype)
         bias = torch.randn(O, device="cuda", dtype=dtype) if forward else None
-        aux = torch.randn(T, O if forward else I, device="cuda", dtype=dtype)
+        aux = torch.randn(T, O if forward else I, device="cuda", dtype=dtype) if epi == DGELU else None
         for cfg in _cuda_tiles(meta, forward, b, dtype):
-            with forced_config(fwd=cfg, dx=cfg):
+            with forced_config(fwd=cfg, dx=cfg), untuned():   # untimed: the kernel's own epilogue
                 plain = plans.dds(a, values, meta, bias, forward)
-                out, out2 = plans.dds_epilogue(a, values, meta, bias, forward, epi, aux if epi == DGELU else None)
+                out, out2 = plans.dds_epilogue(a, values, meta, bias, forward, epi, aux)
+                p = _cuda.CudaDdsPlan if isinstance(cfg, _cuda.CudaDdsConfig) else _cuda.CudaKsPlan
+                inner = p(a, meta, cfg, forward, bias is not None)
             want, want2 = epilogue.reference(plain, aux, epi)
-            torch.testing.assert_close(out2.float(), want2.float(), rtol=2e-2, atol=2e-2, msg=str(cfg))
-            torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2, msg=str(cfg))
+            passed, passed2 = torch.full_like(plain, float("nan")), torch.full_like(plain, float("nan"))
+            EpiloguePlan(inner, epi)(a, values, bias if bias is not None else a, passed, aux, passed2)
+            for got, ref in ((out, want), (out2, want2), (passed, want), (passed2, want2)):
+                torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2, msg=str(cfg))
         kept = [p for k, p in meta._groups["plans"].items() if k[0] == "plan_dds_epi"]
         assert kept and all(p.native_epilogue for p in kept)
