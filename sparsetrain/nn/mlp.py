@@ -48,11 +48,9 @@ def gelu_mlp(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> Tensor:
     xc = x.to(cast) if cast is not None and x.dtype != cast else x
     if not fusable(xc, fc1, fc2):
         return fc2(F.gelu(fc1(x)))
-    lead = x.shape[:-1]
     m1, m2 = BlockFormat.meta(fc1), BlockFormat.meta(fc2)
-    pre, post = block_sparse_linear_gelu(xc.reshape(-1, m1.in_features).contiguous(), fc1.values, m1, fc1.bias)
-    y = block_sparse_gelu_linear(pre, post, fc2.values, m2, fc2.bias)
-    return y.reshape(*lead, m2.out_features)
+    pre, post = block_sparse_linear_gelu(xc.contiguous(), fc1.values, m1, fc1.bias)
+    return block_sparse_gelu_linear(pre, post, fc2.values, m2, fc2.bias)
 
 
 __all__ = ["fusable", "gelu_mlp"]

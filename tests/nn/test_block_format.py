@@ -222,6 +222,69 @@ def test_torch_compile_runs_the_kernels_as_a_custom_op(split, monkeypatch):
     _compiled_matches_eager("cpu", torch.float32, 1e-5)
 
 
+def test_torch_compile_backward_reads_the_gradient_where_its_producer_wrote_it():
+    """The compiled ops take x with its leading dimensions, so the backward op's dY is the gradient buffer as its
+    producer writes it (LayerNorm backward -> dropout backward over [B, S, O]), not a [T, O] view of it, which
+    inductor's default constraint for custom ops (exact strides) realized as a copy of its own: a pointwise node
+    whose loops do not match the reduction's, which on a GPU stayed out of LayerNorm backward's kernel (one more
+    read of the float32 gradient per LayerNorm, ~57 us at BERT-base's 32,768 x 768 on an H100). The dropout is a
+    fixed mask here, so the gradients can be compared with eager."""
+    import re
+
+    import torch._dynamo
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = SparseLinear.from_dense(torch.nn.Linear(32, 64), density=0.5, block=16, format="block")
+            self.ln = torch.nn.LayerNorm(64)
+
+        def forward(self, x, res, keep):
+            return self.ln(res + self.lin(x) * keep * (1 / 0.9))  # dropout's arithmetic, with a fixed mask
+
+    torch.manual_seed(0)
+    block = Block()
+    x, res = torch.randn(4, 16, 32, requires_grad=True), torch.randn(4, 16, 64, requires_grad=True)
+    keep, g = torch.rand(4, 16, 64) > 0.1, torch.randn(4, 16, 64)
+    (block(x, res, keep) * g).sum().backward()
+    eager = [t.grad.clone() for t in (x, res, block.lin.values, block.lin.bias)]
+    for t in (x, res, block.lin.values, block.lin.bias):
+        t.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(block)
+    with inductor_config.patch(force_disable_caches=True):  # a cached graph would skip the code capture
+        _, codes = run_and_get_code(lambda: (compiled(x, res, keep) * g).sum().backward())
+    calls = [c[c.index("def call(self, args)"):] for c in codes if "block_sparse_linear_backward.default(" in c]
+    assert len(calls) == 1
+    dy = re.search(r"block_sparse_linear_backward\.default\((\w+)", calls[0]).group(1)
+    assert dy != "reinterpret_tensor", "dY reaches the op as a view"
+    producer = re.search(rf"{dy} = empty_strided_cpu\(\(([0-9, ]+)\)", calls[0])
+    assert producer is not None and producer.group(1) == "4, 16, 64"  # the [B, S, O] buffer the producer writes
+    for got, want in zip([x.grad, res.grad, block.lin.values.grad, block.lin.bias.grad], eager):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_the_ops_take_leading_dimensions():
+    """The custom ops keep x's leading dimensions: [B, S, I] -> [B, S, O]; the backward's dX has dY's."""
+    torch.manual_seed(0)
+    layer = SparseLinear.from_dense(torch.nn.Linear(32, 48), density=0.5, block=16, format="block")
+    meta = BlockFormat.meta(layer)
+    tensors = [getattr(meta, n) for n in BlockSparseMeta.TENSORS]
+    x, dy = torch.randn(3, 5, 32), torch.randn(3, 5, 48)
+    y = torch.ops.sparsetrain.block_sparse_linear(x, layer.values.detach(), layer.bias.detach(), *tensors, 48, 32,
+                                                  16)
+    w = layer.dense_weight()
+    torch.testing.assert_close(y, x @ w.t() + layer.bias.detach(), rtol=1e-5, atol=1e-5)
+    dx, dv, db = torch.ops.sparsetrain.block_sparse_linear_backward(dy, x, layer.values.detach(), *tensors, 48, 32,
+                                                                    16, True, True, True)
+    assert dx.shape == (3, 5, 32)
+    torch.testing.assert_close(dx, dy @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(db, dy.sum((0, 1)), rtol=1e-5, atol=1e-5)
+
+
 def test_torch_compile_follows_a_topology_change_without_recompiling():
     import torch._dynamo
 

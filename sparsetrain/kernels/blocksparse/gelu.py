@@ -29,12 +29,14 @@ def _linear_gelu_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Ten
                     row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
                     in_features: int, block: int) -> tuple[Tensor, Tensor]:
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
-    return dds_epilogue(x, values, meta, bias, True, GELU)
+    shape = (*x.shape[:-1], out_features)
+    pre, post = dds_epilogue(x.reshape(-1, in_features), values, meta, bias, True, GELU)
+    return pre.view(shape), post.view(shape)
 
 
 @_linear_gelu_op.register_fake
 def _(x, values, bias, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block):
-    return x.new_empty(x.shape[0], out_features), x.new_empty(x.shape[0], out_features)
+    return x.new_empty(*x.shape[:-1], out_features), x.new_empty(*x.shape[:-1], out_features)
 
 
 def _linear_gelu_setup(ctx, inputs, output):
@@ -55,13 +57,14 @@ def _gelu_linear_op(pre: Tensor, post: Tensor, values: Tensor, bias: Tensor | No
                     col_idx: Tensor, row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor,
                     out_features: int, in_features: int, block: int) -> Tensor:
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
-    return _dds(post, values, meta, bias, forward=True)
+    y = _dds(post.reshape(-1, in_features), values, meta, bias, forward=True)
+    return y.view(*post.shape[:-1], out_features)
 
 
 @_gelu_linear_op.register_fake
 def _(pre, post, values, bias, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features,
       block):
-    return post.new_empty(post.shape[0], out_features)
+    return post.new_empty(*post.shape[:-1], out_features)
 
 
 @torch.library.custom_op("sparsetrain::block_sparse_gelu_linear_backward", mutates_args=())
@@ -71,9 +74,11 @@ def _gelu_linear_backward_op(dy: Tensor, pre: Tensor, values: Tensor, row_ptr: T
     """(dL/dh, dvalues, dbias float32 or empty): one input-gradient launch with the GELU-derivative epilogue, then
     the weight gradient on the gelu(h) it wrote."""
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
-    dy, pre = dy.contiguous(), pre.contiguous()
+    shape = pre.shape
+    dy, pre = dy.reshape(-1, out_features).contiguous(), pre.reshape(-1, in_features).contiguous()
     d_pre, post = dds_epilogue(dy, values, meta, None, False, DGELU, pre)
     dv, db32 = _sampled_grad(post, dy, meta, with_bias=need_b, out_dtype=values.dtype)
+    d_pre = d_pre.view(shape)
     dv = dv.to(values.dtype)
     db = dy.new_empty(0, dtype=torch.float32)
     if need_b:  # a split reduction returns dv and db as views of one buffer: outputs may not alias
@@ -110,11 +115,11 @@ def _meta_args(meta: BlockSparseMeta) -> tuple:
     return (*(getattr(meta, n) for n in BlockSparseMeta.TENSORS), meta.out_features, meta.in_features, meta.block)
 
 
-def block_sparse_linear_gelu(x2d: Tensor, values: Tensor, meta: BlockSparseMeta,
+def block_sparse_linear_gelu(x: Tensor, values: Tensor, meta: BlockSparseMeta,
                              bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(h, gelu(h))`` with ``h = x2d · W_effᵀ + bias`` (x2d [T, I], contiguous; the kernel path only). ``gelu(h)``
+    """``(h, gelu(h))`` with ``h = x · W_effᵀ + bias`` (x [..., I], contiguous; the kernel path only). ``gelu(h)``
     carries no gradient: pass both to :func:`block_sparse_gelu_linear`."""
-    return torch.ops.sparsetrain.block_sparse_linear_gelu(x2d, values.contiguous(), bias, *_meta_args(meta))
+    return torch.ops.sparsetrain.block_sparse_linear_gelu(x, values.contiguous(), bias, *_meta_args(meta))
 
 
 def block_sparse_gelu_linear(pre: Tensor, post: Tensor, values: Tensor, meta: BlockSparseMeta,

@@ -241,12 +241,12 @@ def _bs_linear_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Tenso
                   row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
                   in_features: int, block: int) -> Tensor:
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
-    return _dds(x, values, meta, bias, forward=True)
+    return _dds(x.reshape(-1, in_features), values, meta, bias, forward=True).view(*x.shape[:-1], out_features)
 
 
 @_bs_linear_op.register_fake
 def _(x, values, bias, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block):
-    return x.new_empty(x.shape[0], out_features)
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 @torch.library.custom_op("sparsetrain::block_sparse_linear_backward", mutates_args=())
@@ -254,11 +254,14 @@ def _bs_linear_backward_op(dy: Tensor, x: Tensor, values: Tensor, row_ptr: Tenso
                            row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
                            in_features: int, block: int, need_x: bool, need_v: bool,
                            need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dvalues, dbias float32); a gradient not asked for comes back as an empty tensor."""
+    """(dx, dvalues, dbias float32); a gradient not asked for comes back as an empty tensor. ``dy`` and ``x`` have
+    the forward's leading dimensions (dx too)."""
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
+    lead = dy.shape[:-1]
+    dy, x = dy.reshape(-1, out_features), x.reshape(-1, in_features)
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
-    dx = _dds(dy, values, meta, None, forward=False) if need_x else dy.new_empty(0)
+    dx = _dds(dy, values, meta, None, forward=False).view(*lead, in_features) if need_x else dy.new_empty(0)
     dv, db = values.new_empty(0), dy.new_empty(0, dtype=torch.float32)
     if need_v:
         dv, db32 = _sampled_grad(x, dy, meta, with_bias=need_b, out_dtype=values.dtype)
@@ -273,7 +276,7 @@ def _bs_linear_backward_op(dy: Tensor, x: Tensor, values: Tensor, row_ptr: Tenso
 @_bs_linear_backward_op.register_fake
 def _(dy, x, values, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block,
       need_x, need_v, need_b):
-    dx = dy.new_empty(dy.shape[0], in_features) if need_x else dy.new_empty(0)
+    dx = dy.new_empty(*dy.shape[:-1], in_features) if need_x else dy.new_empty(0)
     dv = values.new_empty(values.shape) if need_v else values.new_empty(0)
     db = dy.new_empty(out_features, dtype=torch.float32) if need_b else dy.new_empty(0, dtype=torch.float32)
     return dx, dv, db
@@ -434,9 +437,13 @@ def _block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias:
         if contig:
             x2d = x2d.contiguous()
         if torch.compiler.is_compiling() and dense_grad_hook is None:  # opaque op for dynamo / inductor
+            # x with its leading dimensions, so that the backward's dY is the gradient as its producer wrote it
+            # (e.g. LayerNorm backward -> dropout backward over [B, S, O]): inductor then fuses that pointwise
+            # work into the producer's kernel; a [T, O] view of it made the op's input a copy of its own
             y = torch.ops.sparsetrain.block_sparse_linear(
-                x2d, values.contiguous(), bias, *(getattr(meta, n) for n in BlockSparseMeta.TENSORS),
-                meta.out_features, meta.in_features, meta.block)
+                x if x.is_contiguous() else x.contiguous(), values.contiguous(), bias,
+                *(getattr(meta, n) for n in BlockSparseMeta.TENSORS), meta.out_features, meta.in_features,
+                meta.block)
         elif torch.compiler.is_compiling():  # RigL capture steps: the hook is Python, run this layer eagerly
             y = _eager_with_hook(x2d, values.contiguous(), bias, meta, dense_grad_hook)
         elif dense_grad_hook is None and x2d.shape[0] > 0 and not _functorch_active():
