@@ -80,6 +80,31 @@ def test_fused_block_under_torch_compile():
     torch._dynamo.reset()
 
 
+def test_compiled_block_follows_a_mask_update_without_recompiling():
+    """A mask update (set_mask: same block count, new topology, rewritten in place) reaches the compiled fused
+    ops: the next step computes the new topology's block, with no new graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    fc1, fc2 = _pair()
+    opt = torch.optim.SGD([*fc1.parameters(), *fc2.parameters()], lr=0.1)
+    x = torch.randn(2, 9, 64)
+    compiled = torch.compile(lambda t: gelu_mlp(t, fc1, fc2))
+    _grads(compiled, x, (fc1, fc2), torch.ones(2, 9, 64))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for layer in (fc1, fc2):
+        flat = layer.mask.clone().flatten()
+        flat[flat.nonzero()[0]] = False  # move one block
+        flat[(~flat).nonzero()[-1]] = True
+        layer.set_mask(flat.view(layer.mask.shape), opt)
+    got = _grads(compiled, x, (fc1, fc2), torch.ones(2, 9, 64))
+    want = _grads(lambda t: fc2(F.gelu(fc1(t))), x, (fc1, fc2), torch.ones(2, 9, 64))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
+
+
 def test_not_fused_where_it_cannot_be():
     fc1, fc2 = _pair()
     x = torch.randn(4, 64)
