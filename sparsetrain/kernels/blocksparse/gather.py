@@ -69,7 +69,7 @@ DW_CANDIDATES = {
     32: [DwConfig(2, 128, 4, 3), DwConfig(4, 128, 8, 3), DwConfig(2, 64, 4, 4), DwConfig(4, 64, 4, 4),
          DwConfig(2, 128, 8, 2)],
     64: [DwConfig(1, 128, 4, 3), DwConfig(2, 128, 8, 3), DwConfig(1, 64, 4, 4), DwConfig(2, 64, 4, 4),
-         DwConfig(1, 128, 8, 2), DwConfig(1, 64, 8, 3)],
+         DwConfig(1, 128, 8, 2), DwConfig(1, 64, 8, 3), DwConfig(1, 256, 8, 2), DwConfig(1, 256, 4, 3)],
     128: [DwConfig(1, 64, 8, 3), DwConfig(1, 128, 8, 3)],
 }
 # Under the interpreter: small tiles; b16 exercises the gathered (GROUP_K > 1) path, b32 the scalar one,
