@@ -363,6 +363,7 @@ def sampled_grad_tma_kernel(
     kb = tl.load(kidx_ptr + s0, mask=cnt > 0, other=0)
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
     dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
+    dbt = tl.zeros((BLOCK, 16), dtype=tl.float32)  # 16-bit dY: bias column sums as dYᵀ · ones (sampled_grad_kernel)
     if GROUP == 2:  # a group of one block loads its X tile twice and stores the second result nowhere
         kb1 = tl.load(kidx_ptr + s0 + 1, mask=cnt > 1, other=0)
         acc1 = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
@@ -376,7 +377,12 @@ def sampled_grad_tma_kernel(
         if GROUP == 2:
             acc1 = tl.dot(dyt, x_desc.load([t0, kb1 * BLOCK]), acc1)
         if HAS_DBIAS:
-            dbacc += tl.sum(dy.to(tl.float32), axis=0)
+            if dy.dtype != tl.float32:
+                dbt = tl.dot(dyt, tl.full((BLOCK_T, 16), 1.0, dy.dtype), dbt)
+            else:
+                dbacc += tl.sum(dy.to(tl.float32), axis=0)
+    if HAS_DBIAS:
+        dbacc += tl.sum(dbt, axis=1) * 0.0625  # 16 equal columns: exact (zero where dY is float32)
     _store_dw(dv_ptr, s0, acc, cnt > 0, BLOCK, SPLIT)
     if GROUP == 2:
         _store_dw(dv_ptr, s0 + 1, acc1, cnt > 1, BLOCK, SPLIT)
