@@ -285,6 +285,26 @@ def test_the_ops_take_leading_dimensions():
     torch.testing.assert_close(db, dy.sum((0, 1)), rtol=1e-5, atol=1e-5)
 
 
+def test_the_ops_take_fp32_master_values_with_16_bit_activations():
+    """Under autocast the compiled ops get fp32 values and 16-bit x: the products run on the values cast once per
+    op; the value gradient comes back in float32."""
+    torch.manual_seed(0)
+    layer = SparseLinear.from_dense(torch.nn.Linear(32, 48), density=0.5, block=16, format="block")
+    meta = BlockFormat.meta(layer)
+    tensors = [getattr(meta, n) for n in BlockSparseMeta.TENSORS]
+    x, dy = torch.randn(3, 5, 32).half(), torch.randn(3, 5, 48).half()
+    values = layer.values.detach()
+    assert values.dtype == torch.float32
+    y = torch.ops.sparsetrain.block_sparse_linear(x, values, None, *tensors, 48, 32, 16)
+    w = layer.dense_weight().half().float()
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), x.float() @ w.t(), rtol=2e-3, atol=2e-3)
+    dx, dv, _ = torch.ops.sparsetrain.block_sparse_linear_backward(dy, x, values, *tensors, 48, 32, 16, True, True,
+                                                                   False)
+    torch.testing.assert_close(dx.float(), dy.float() @ w, rtol=2e-3, atol=2e-3)
+    assert dv.dtype == torch.float32 and dv.shape == values.shape
+
+
 def test_torch_compile_follows_a_topology_change_without_recompiling():
     import torch._dynamo
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from sparsetrain.kernels.blocksparse.epilogue import DGELU, GELU
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
-from sparsetrain.kernels.blocksparse.op import _bs_backward, _bs_setup_context, _meta_for
+from sparsetrain.kernels.blocksparse.op import _as_operand, _bs_backward, _bs_setup_context, _meta_for
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
 from sparsetrain.kernels.blocksparse.plans import dds_epilogue
 from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
@@ -30,7 +30,7 @@ def _linear_gelu_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Ten
                     in_features: int, block: int) -> tuple[Tensor, Tensor]:
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
     shape = (*x.shape[:-1], out_features)
-    pre, post = dds_epilogue(x.reshape(-1, in_features), values, meta, bias, True, GELU)
+    pre, post = dds_epilogue(x.reshape(-1, in_features), _as_operand(values, x), meta, bias, True, GELU)
     return pre.view(shape), post.view(shape)
 
 
@@ -57,7 +57,7 @@ def _gelu_linear_op(pre: Tensor, post: Tensor, values: Tensor, bias: Tensor | No
                     col_idx: Tensor, row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor,
                     out_features: int, in_features: int, block: int) -> Tensor:
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
-    y = _dds(post.reshape(-1, in_features), values, meta, bias, forward=True)
+    y = _dds(post.reshape(-1, in_features), _as_operand(values, post), meta, bias, forward=True)
     return y.view(*post.shape[:-1], out_features)
 
 
@@ -76,7 +76,7 @@ def _gelu_linear_backward_op(dy: Tensor, pre: Tensor, values: Tensor, row_ptr: T
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
     shape = pre.shape
     dy, pre = dy.reshape(-1, out_features).contiguous(), pre.reshape(-1, in_features).contiguous()
-    d_pre, post = dds_epilogue(dy, values, meta, None, False, DGELU, pre)
+    d_pre, post = dds_epilogue(dy, _as_operand(values, dy), meta, None, False, DGELU, pre)
     dv, db32 = _sampled_grad(post, dy, meta, with_bias=need_b, out_dtype=values.dtype)
     d_pre = d_pre.view(shape)
     dv = dv.to(values.dtype)

@@ -241,7 +241,16 @@ def _bs_linear_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Tenso
                   row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
                   in_features: int, block: int) -> Tensor:
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
+    values = _as_operand(values, x)
     return _dds(x.reshape(-1, in_features), values, meta, bias, forward=True).view(*x.shape[:-1], out_features)
+
+
+def _as_operand(values: Tensor, a: Tensor) -> Tensor:
+    """The active blocks in the activations' 16-bit dtype (fp32 master values under autocast): one small cast
+    per op, where every kernel would otherwise read (or cast) the fp32 blocks once per token tile."""
+    if values.dtype != a.dtype and a.dtype in (torch.float16, torch.bfloat16):
+        return values.to(a.dtype)
+    return values
 
 
 @_bs_linear_op.register_fake
@@ -261,7 +270,8 @@ def _bs_linear_backward_op(dy: Tensor, x: Tensor, values: Tensor, row_ptr: Tenso
     dy, x = dy.reshape(-1, out_features), x.reshape(-1, in_features)
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
-    dx = _dds(dy, values, meta, None, forward=False).view(*lead, in_features) if need_x else dy.new_empty(0)
+    dx = (_dds(dy, _as_operand(values, dy), meta, None, forward=False).view(*lead, in_features) if need_x
+          else dy.new_empty(0))
     dv, db = values.new_empty(0), dy.new_empty(0, dtype=torch.float32)
     if need_v:
         dv, db32 = _sampled_grad(x, dy, meta, with_bias=need_b, out_dtype=values.dtype)
