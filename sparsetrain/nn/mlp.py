@@ -7,9 +7,9 @@ format, on the kernels: CUDA or the Triton interpreter) only ``h`` is kept: ``fc
 ``gelu(h)``, and ``fc2``'s input gradient returns the gradient of ``h`` and ``gelu(h)`` again for its weight
 gradient (:mod:`sparsetrain.kernels.blocksparse.gelu`; in the kernels' epilogues or in a pass of their own,
 whichever the tuner times faster). Same outputs and gradients up to float rounding; BERT-base at 256 x 128
-tokens holds ~2.2 GB less, for a few percent of step time (docs/benchmarks/e2e.md). Anything else (dense
-linears, another format, the plain-torch reference path, a RigL step that captures the dense gradient, the
-option off) runs the plain modules.
+tokens holds ~2 GB less, for a few percent of step time (docs/benchmarks/e2e.md). Anything else (dense linears,
+another format, the plain-torch reference path, a RigL step that captures the dense gradient, a module hook on
+either linear, the option off) runs the plain modules.
 
 The BERT and ViT models that :mod:`sparsetrain.models` builds call this from their feed-forward blocks.
 """
@@ -26,8 +26,10 @@ from sparsetrain.nn.sparse_linear import SparseLinear
 
 
 def _block_layer(m: nn.Module) -> bool:
+    # a module hook would not see the fused ops' call: such a layer runs as a module
     return (isinstance(m, SparseLinear) and isinstance(m.storage, BlockFormat) and not m.capture_dense_grad
-            and isinstance(m._parameters.get("values"), torch.Tensor))
+            and isinstance(m._parameters.get("values"), torch.Tensor)
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
 
 
 def fusable(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> bool:

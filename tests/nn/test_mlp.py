@@ -118,6 +118,10 @@ def test_not_fused_where_it_cannot_be():
     fc2.capture_dense_grad = True                                     # a RigL step: the hook path, unfused
     assert not fusable(x, fc1, fc2)
     fc2.capture_dense_grad = False
+    handle = fc1.register_forward_hook(lambda *a: None)               # a hook must see the module's call
+    assert not fusable(x, fc1, fc2)
+    handle.remove()
+    assert fusable(x, fc1, fc2)
     # a block size off the kernels (the plain-torch reference path)
     s1, s2 = _pair(block=8)
     assert not fusable(x, s1, s2)
