@@ -205,7 +205,8 @@ def build_model(
 
 def _fused(model, fused_qkv: bool):
     """The model's fusions: the query/key/value projection where asked; the feed-forward blocks always
-    (:mod:`sparsetrain.models.ffn`: the GELU runs in the kernels' epilogues where both linears are block-sparse)."""
+    (:mod:`sparsetrain.models.ffn`: GELU recomputed in the backward where both linears are block-sparse and
+    ``trainer.kernels.gelu_recompute`` is on; transformers' modules otherwise)."""
     from sparsetrain.models.ffn import use_gelu_mlp
     from sparsetrain.models.fused_qkv import fuse_qkv
 

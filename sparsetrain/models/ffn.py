@@ -1,6 +1,6 @@
-"""The feed-forward blocks of the BERT and ViT models as :func:`sparsetrain.nn.mlp.gelu_mlp`: where both linears
-are block-sparse, the GELU between them runs in the block kernels' epilogues; otherwise the block computes what
-transformers' does, the same way.
+"""The feed-forward blocks of the BERT and ViT models with :func:`sparsetrain.nn.mlp.gelu_mlp`'s fusion: where it
+applies (both linears block-sparse, ``trainer.kernels.gelu_recompute`` on), GELU is recomputed in the backward
+instead of kept; otherwise transformers' modules run as they are.
 
 :func:`use_gelu_mlp` swaps the class of each BERT layer and ViT MLP whose activation is the exact GELU (in place,
 no weight or state-dict name changes); :mod:`sparsetrain.models.builders` applies it to every model it builds.
@@ -13,7 +13,7 @@ from transformers.activations import GELUActivation
 from transformers.models.bert.modeling_bert import BertLayer
 from transformers.models.vit.modeling_vit import ViTMLP
 
-from sparsetrain.nn.mlp import gelu_mlp
+from sparsetrain.nn.mlp import fusable, fused_gelu_mlp
 
 
 def _exact_gelu(act) -> bool:
@@ -21,20 +21,25 @@ def _exact_gelu(act) -> bool:
 
 
 class BertLayerGeluMLP(BertLayer):
-    """``BertLayer`` whose feed-forward block is :func:`~sparsetrain.nn.mlp.gelu_mlp` (made by
-    :func:`use_gelu_mlp`)."""
+    """``BertLayer`` whose feed-forward block takes :func:`~sparsetrain.nn.mlp.fused_gelu_mlp` where it applies
+    (made by :func:`use_gelu_mlp`)."""
 
     def feed_forward_chunk(self, attention_output):
         out = self.output
-        hidden = gelu_mlp(attention_output, self.intermediate.dense, out.dense)
+        if not fusable(attention_output, self.intermediate.dense, out.dense):
+            return super().feed_forward_chunk(attention_output)  # transformers' modules, as they are
+        hidden = fused_gelu_mlp(attention_output, self.intermediate.dense, out.dense)
         return out.LayerNorm(out.dropout(hidden) + attention_output)
 
 
 class ViTMLPGelu(ViTMLP):
-    """``ViTMLP`` as :func:`~sparsetrain.nn.mlp.gelu_mlp` (made by :func:`use_gelu_mlp`)."""
+    """``ViTMLP`` taking :func:`~sparsetrain.nn.mlp.fused_gelu_mlp` where it applies (made by
+    :func:`use_gelu_mlp`)."""
 
     def forward(self, hidden_states):
-        return gelu_mlp(hidden_states, self.fc1, self.fc2)
+        if not fusable(hidden_states, self.fc1, self.fc2):
+            return super().forward(hidden_states)
+        return fused_gelu_mlp(hidden_states, self.fc1, self.fc2)
 
 
 def use_gelu_mlp(model: nn.Module) -> nn.Module:

@@ -33,7 +33,8 @@ def _block_layer(m: nn.Module) -> bool:
 
 
 def fusable(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> bool:
-    """Whether :func:`gelu_mlp` takes the fused ops for this input (``x`` as autocast makes it)."""
+    """Whether :func:`gelu_mlp` takes the fused ops for this input (the kernels take ``x`` in float32 as well as
+    in the 16-bit dtype autocast casts it to, so the answer is the same before the cast)."""
     if not (IN_FORCE[0].gelu_recompute and _block_layer(fc1) and _block_layer(fc2)):
         return False
     m1, m2 = BlockFormat.meta(fc1), BlockFormat.meta(fc2)
@@ -44,15 +45,20 @@ def fusable(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> bool:
 
 def gelu_mlp(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> Tensor:
     """``fc2(gelu(fc1(x)))`` with the exact GELU; GELU recomputed in the backward where :func:`fusable`."""
+    return fused_gelu_mlp(x, fc1, fc2) if fusable(x, fc1, fc2) else fc2(F.gelu(fc1(x)))
+
+
+def fused_gelu_mlp(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> Tensor:
+    """:func:`gelu_mlp` on the fused ops, for a block that is :func:`fusable` (``x`` cast as autocast casts a
+    linear's input)."""
     from sparsetrain.kernels.blocksparse.gelu import block_sparse_gelu_linear, block_sparse_linear_gelu
 
     cast = _autocast_dtype(x.device.type)
-    xc = x.to(cast) if cast is not None and x.dtype != cast else x
-    if not fusable(xc, fc1, fc2):
-        return fc2(F.gelu(fc1(x)))
+    if cast is not None and x.dtype != cast:
+        x = x.to(cast)
     m1, m2 = BlockFormat.meta(fc1), BlockFormat.meta(fc2)
-    pre, post = block_sparse_linear_gelu(xc.contiguous(), fc1.values, m1, fc1.bias)
+    pre, post = block_sparse_linear_gelu(x.contiguous(), fc1.values, m1, fc1.bias)
     return block_sparse_gelu_linear(pre, post, fc2.values, m2, fc2.bias)
 
 
-__all__ = ["fusable", "gelu_mlp"]
+__all__ = ["fusable", "fused_gelu_mlp", "gelu_mlp"]

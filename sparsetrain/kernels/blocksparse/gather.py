@@ -97,17 +97,13 @@ class TritonPlan:
         self.stable = stable
         self.launch = KernelLaunch(kernel, grid, options)
 
-    def __call__(self, *ptrs: Tensor | None) -> None:
-        """``ptrs`` fill ``ptr_pos`` in order; a position left out or given None gets the last tensor given (a
-        pointer the kernel does not read under its options, e.g. the epilogue's without one)."""
+    def __call__(self, *ptrs: Tensor) -> None:
+        """``ptrs`` fill ``ptr_pos`` in order; positions left out get the last tensor given (pointers the kernel
+        does not read under its options: an epilogue plan called without the epilogue's tensors)."""
         args = list(self.args)
-        last = ptrs[-1]
-        for i, pos in enumerate(self.ptr_pos):
-            t = ptrs[i] if i < len(ptrs) else None
-            if t is None:
-                t = last
-            else:
-                last = t
+        if len(ptrs) < len(self.ptr_pos):
+            ptrs = (*ptrs, *(ptrs[-1],) * (len(self.ptr_pos) - len(ptrs)))
+        for pos, t in zip(self.ptr_pos, ptrs):
             args[pos] = t
         self.launch(*args)
 

@@ -18,10 +18,16 @@ from torch import Tensor
 
 from sparsetrain.kernels.blocksparse.epilogue import DGELU, GELU
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
-from sparsetrain.kernels.blocksparse.op import _as_operand, _bs_backward, _bs_setup_context, _meta_for
+from sparsetrain.kernels.blocksparse.op import (
+    _as_operand,
+    _bs_backward,
+    _bs_setup_context,
+    _meta_for,
+    op_meta_args,
+    op_weight_grads,
+)
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
 from sparsetrain.kernels.blocksparse.plans import dds_epilogue
-from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
 
 
 @torch.library.custom_op("sparsetrain::block_sparse_linear_gelu", mutates_args=())
@@ -77,13 +83,8 @@ def _gelu_linear_backward_op(dy: Tensor, pre: Tensor, values: Tensor, row_ptr: T
     shape = pre.shape
     dy, pre = dy.reshape(-1, out_features).contiguous(), pre.reshape(-1, in_features).contiguous()
     d_pre, post = dds_epilogue(dy, _as_operand(values, dy), meta, None, False, DGELU, pre)
-    dv, db32 = _sampled_grad(post, dy, meta, with_bias=need_b, out_dtype=values.dtype)
-    d_pre = d_pre.view(shape)
-    dv = dv.to(values.dtype)
-    db = dy.new_empty(0, dtype=torch.float32)
-    if need_b:  # a split reduction returns dv and db as views of one buffer: outputs may not alias
-        db = db32.clone() if dv.untyped_storage().data_ptr() == db32.untyped_storage().data_ptr() else db32
-    return d_pre, dv, db
+    dv, db = op_weight_grads(post, dy, values, meta, need_b)
+    return d_pre.view(shape), dv, db
 
 
 @_gelu_linear_backward_op.register_fake
@@ -111,22 +112,18 @@ def _gelu_linear_backward(ctx, dy):
 _gelu_linear_op.register_autograd(_gelu_linear_backward, setup_context=_gelu_linear_setup)
 
 
-def _meta_args(meta: BlockSparseMeta) -> tuple:
-    return (*(getattr(meta, n) for n in BlockSparseMeta.TENSORS), meta.out_features, meta.in_features, meta.block)
-
-
 def block_sparse_linear_gelu(x: Tensor, values: Tensor, meta: BlockSparseMeta,
                              bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(h, gelu(h))`` with ``h = x · W_effᵀ + bias`` (x [..., I], contiguous; the kernel path only). ``gelu(h)``
     carries no gradient: pass both to :func:`block_sparse_gelu_linear`."""
-    return torch.ops.sparsetrain.block_sparse_linear_gelu(x, values.contiguous(), bias, *_meta_args(meta))
+    return torch.ops.sparsetrain.block_sparse_linear_gelu(x, values.contiguous(), bias, *op_meta_args(meta))
 
 
 def block_sparse_gelu_linear(pre: Tensor, post: Tensor, values: Tensor, meta: BlockSparseMeta,
                              bias: Tensor | None) -> Tensor:
     """``gelu(h) · W_effᵀ + bias`` given ``h`` (``pre``) and ``gelu(h)`` (``post``) from
     :func:`block_sparse_linear_gelu`; the gradient goes to ``h``."""
-    return torch.ops.sparsetrain.block_sparse_gelu_linear(pre, post, values.contiguous(), bias, *_meta_args(meta))
+    return torch.ops.sparsetrain.block_sparse_gelu_linear(pre, post, values.contiguous(), bias, *op_meta_args(meta))
 
 
 __all__ = ["block_sparse_gelu_linear", "block_sparse_linear_gelu"]

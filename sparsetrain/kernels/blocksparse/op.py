@@ -274,13 +274,26 @@ def _bs_linear_backward_op(dy: Tensor, x: Tensor, values: Tensor, row_ptr: Tenso
           else dy.new_empty(0))
     dv, db = values.new_empty(0), dy.new_empty(0, dtype=torch.float32)
     if need_v:
-        dv, db32 = _sampled_grad(x, dy, meta, with_bias=need_b, out_dtype=values.dtype)
-        dv = dv.to(values.dtype)
-        if need_b:  # a split reduction returns dv and db as views of one buffer: outputs may not alias
-            db = db32.clone() if dv.untyped_storage().data_ptr() == db32.untyped_storage().data_ptr() else db32
+        dv, db = op_weight_grads(x, dy, values, meta, need_b)
     if need_b and db.numel() == 0:
         db = dy.sum(0, dtype=torch.float32)
     return dx, dv, db
+
+
+def op_weight_grads(x2d: Tensor, dy2d: Tensor, values: Tensor, meta: BlockSparseMeta,
+                    need_b: bool) -> tuple[Tensor, Tensor]:
+    """``(dvalues in values' dtype, dbias float32 or empty)`` for a custom op: a split reduction returns dv and db
+    as views of one buffer, and an op's outputs may not alias, so db is then a copy."""
+    dv, db32 = _sampled_grad(x2d, dy2d, meta, with_bias=need_b, out_dtype=values.dtype)
+    dv = dv.to(values.dtype)
+    if not need_b:
+        return dv, dy2d.new_empty(0, dtype=torch.float32)
+    return dv, (db32.clone() if dv.untyped_storage().data_ptr() == db32.untyped_storage().data_ptr() else db32)
+
+
+def op_meta_args(meta: BlockSparseMeta) -> tuple:
+    """The metadata as the custom ops take it: its six index tensors, out_features, in_features, block."""
+    return (*(getattr(meta, n) for n in BlockSparseMeta.TENSORS), meta.out_features, meta.in_features, meta.block)
 
 
 @_bs_linear_backward_op.register_fake
@@ -451,9 +464,7 @@ def _block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias:
             # (e.g. LayerNorm backward -> dropout backward over [B, S, O]): inductor then fuses that pointwise
             # work into the producer's kernel; a [T, O] view of it made the op's input a copy of its own
             y = torch.ops.sparsetrain.block_sparse_linear(
-                x if x.is_contiguous() else x.contiguous(), values.contiguous(), bias,
-                *(getattr(meta, n) for n in BlockSparseMeta.TENSORS), meta.out_features, meta.in_features,
-                meta.block)
+                x if x.is_contiguous() else x.contiguous(), values.contiguous(), bias, *op_meta_args(meta))
         elif torch.compiler.is_compiling():  # RigL capture steps: the hook is Python, run this layer eagerly
             y = _eager_with_hook(x2d, values.contiguous(), bias, meta, dense_grad_hook)
         elif dense_grad_hook is None and x2d.shape[0] > 0 and not _functorch_active():

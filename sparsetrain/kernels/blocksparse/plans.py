@@ -128,7 +128,7 @@ def _tune_dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | N
     plan = _chosen_plan(meta, kept, built, cfg, p)
     if epi and not getattr(plan, "native_epilogue", False):
         plan = EpiloguePlan(plan, epi)
-    elif epi:
+    elif epi and _times_forms(a.device):  # else the kernel's own epilogue, untimed
         forms = {"fused": plan, "pass": EpiloguePlan(tuner.make_plan(cfg, Product(p.kind, meta, a, values,
                                                                                        has_bias)), epi)}
 
@@ -136,20 +136,24 @@ def _tune_dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | N
             forms[form](a, values, bias if has_bias else a, out, aux, out2)
             return out, out2
 
-        plan = forms[_pick_form(f"{p.kind}+{NAMES[epi]}", (*key, tuner.config_key(cfg)), a.device, run_form)]
+        plan = forms[_pick_form(f"{p.kind}+{NAMES[epi]}", (*key, tuner.config_key(cfg)), run_form)]
     return cfg, plan
 
 
 _FORMS: dict[tuple, str] = {}  # (kind, shape key, config, options) -> "fused" or "pass", timed in this process
 
 
-def _pick_form(kind: str, key: tuple, device: torch.device, run_form) -> str:
-    """``"fused"`` (the kernel's own epilogue) or ``"pass"`` (the plain kernel, then the epilogue's pass),
-    timed once per shape and config in this process where the tuner times (else ``"fused"``)."""
+def _times_forms(device: torch.device) -> bool:
+    """Whether the two forms of an epilogue are timed here (where the tuner times: not under the interpreter or
+    off a GPU without a test's timer, not untuned, not while a CUDA graph is captured)."""
+    return ((HOOKS.timer is not None or (not tuner.interpreting() and device.type == "cuda")) and HOOKS.tune
+            and _may_cache(device))
+
+
+def _pick_form(kind: str, key: tuple, run_form) -> str:
+    """``"fused"`` (the kernel's own epilogue) or ``"pass"`` (the plain kernel, then the epilogue's pass), timed
+    once per shape and config in this process (:func:`_times_forms`)."""
     timer = HOOKS.timer
-    if (timer is None and (tuner.interpreting() or device.type != "cuda")) or not HOOKS.tune or not _may_cache(
-            device):
-        return "fused"
     full = (kind, *key, *tuner.option_key())
     if full not in _FORMS:
         timed = tuner.time_candidates(kind, key, ["fused", "pass"], run_form, timer or tuner._do_bench,
@@ -175,6 +179,8 @@ def dds_epilogue(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor 
         out2.fill_(float("nan"))
     if T == 0:
         return out, out2
+    if aux is None:  # an epilogue that reads none: a placeholder the kernels do not touch
+        aux = out
     if plan is None:
         _, plan = _tune_dds(a, values, meta, bias, forward, out, epi, aux, out2)
         if _may_cache(a.device):
