@@ -27,7 +27,7 @@ struct Args {
   const uint16_t* values;  // [n_blocks, BLK, BLK], 16-byte aligned
   const int4* info;        // [E] per entry: value offset (slot * BLK * BLK, -1: padding), A column of its
                            // block (halves), output column of its block, 1 if the last entry of its block
-  const int32_t* wbound;   // [gridDim.y * WARPS + 1] first entry of each warp's range
+  const int32_t* wbound;   // [gridDim.x * WARPS + 1] first entry of each warp's range
   const void* bias;        // [n_out * BLK] or null
   uint16_t* out;           // [T, n_out * BLK], row stride so
   const uint16_t* aux;     // epilogue 2: GELU's input, as out (row stride so); else null
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
   const uint32_t info_addr = ring_addr + 2 * S * BLK * BLK;
   uint16_t* ostage = reinterpret_cast<uint16_t*>(wbase + 2 * S * BLK * BLK + 64 * 16);
   int4* info_s = reinterpret_cast<int4*>(wbase + 2 * S * BLK * BLK);
-  const int t0 = blockIdx.x * TM;
+  const int t0 = blockIdx.y * TM;  // the CTAs of one token tile are adjacent (x): its A is read once from DRAM
 
   // 1. the token tile of A, rows past T zero-filled (group 0 of every thread)
   {
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
     cp_async_commit();
   }
 
-  const int wi = blockIdx.y * WARPS + warp;
+  const int wi = blockIdx.x * WARPS + warp;
   const int e0 = a.wbound[wi], n_e = a.wbound[wi + 1] - e0;
   const int4 none = make_int4(-1, 0, 0, 0);
   // entry infos, 32 at a time (one per lane) into a 64-entry ring: batch m at slots (32 m) & 63
@@ -339,7 +339,9 @@ int launch_t(const Args& a, int grid_y, cudaStream_t stream) {
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  kern<<<dim3((a.t + TM - 1) / TM, grid_y), WARPS * 32, smem, stream>>>(a);
+  const int tiles = (a.t + TM - 1) / TM;
+  if (tiles > 65535) return -1;  // token tiles run along y
+  kern<<<dim3(grid_y, tiles), WARPS * 32, smem, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -413,8 +415,10 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
   extern __shared__ __align__(16) uint16_t ks_smem[];
   uint16_t* smem = ks_smem;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int gw = blockIdx.y * WARPS + warp;
-  const int t0 = blockIdx.x * TM;
+  // the CTAs of one token tile (its output groups) are adjacent (x), so the second one reads A from L2: with the
+  // token tiles along x, every output group streamed A from DRAM again
+  const int gw = blockIdx.x * WARPS + warp;
+  const int t0 = blockIdx.y * TM;
   const int ob0 = gw * OB;  // first output block of this warp
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t wring = smem_addr + 2u * ((L::A_HALVES > L::O_HALVES ? L::A_HALVES : L::O_HALVES) +
@@ -544,7 +548,9 @@ int launch_ks(const KsArgs& a, int grid_y, cudaStream_t stream) {
     cudaError_t err = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  kern<<<dim3((a.t + 16 * KS_MT - 1) / (16 * KS_MT), grid_y), W * 32, smem, stream>>>(a);
+  const int tiles = (a.t + 16 * KS_MT - 1) / (16 * KS_MT);
+  if (tiles > 65535) return -1;  // token tiles run along y
+  kern<<<dim3(grid_y, tiles), W * 32, smem, stream>>>(a);
   return static_cast<int>(cudaGetLastError());
 }
 
