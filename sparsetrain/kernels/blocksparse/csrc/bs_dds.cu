@@ -113,8 +113,8 @@ __device__ __forceinline__ void epilogue8(uint4& v, uint4 p, uint4& g, int epi) 
 // Writes one warp's finished [16 * MT tokens x BLK] output tile (+ bias) and zeroes its accumulators: fragments
 // into the warp's shared-memory staging tile (rows BLK + 8 halves apart: conflict-free), then 16-byte stores of
 // whole rows, rows past T skipped; an epilogue (EPI: epi > 0, epilogue8) works on the 16-byte rows as they are
-// stored. EPI is a template argument: the plain kernels carry no epilogue code (with it in a runtime branch the
-// 16x16 forward ran 1.8x slower on an H100).
+// stored. EPI is a template argument so the plain kernels carry no epilogue code (behind a runtime flag the
+// epilogue's arithmetic is inlined, unrolled, into every kernel: several times its instructions).
 template <int BLK, int MT, bool BF16, bool EPI>
 __device__ __forceinline__ void store_block(float (&acc)[MT][BLK / 8][4], uint16_t* ostage, const void* bias,
                                             int bias_f32, uint16_t* out, int so, int t, int t0, int col0,
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
   const uint32_t info_addr = ring_addr + 2 * S * BLK * BLK;
   uint16_t* ostage = reinterpret_cast<uint16_t*>(wbase + 2 * S * BLK * BLK + 64 * 16);
   int4* info_s = reinterpret_cast<int4*>(wbase + 2 * S * BLK * BLK);
-  const int t0 = blockIdx.y * TM;  // the CTAs of one token tile are adjacent (x): its A is read once from DRAM
+  const int t0 = blockIdx.y * TM;  // the CTAs of one token tile are adjacent (x) and share its A in L2
 
   // 1. the token tile of A, rows past T zero-filled (group 0 of every thread)
   {
@@ -415,8 +415,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
   extern __shared__ __align__(16) uint16_t ks_smem[];
   uint16_t* smem = ks_smem;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // the CTAs of one token tile (its output groups) are adjacent (x), so the second one reads A from L2: with the
-  // token tiles along x, every output group streamed A from DRAM again
+  // the CTAs of one token tile (its output groups) are adjacent (x), so they run together and share A in L2
   const int gw = blockIdx.x * WARPS + warp;
   const int t0 = blockIdx.y * TM;
   const int ob0 = gw * OB;  // first output block of this warp
