@@ -222,7 +222,7 @@ def read_run(run_dir: Path) -> dict:
             "updates": [r["step"] for r in rows if r.get("event") == "mask_update"],
             "flops_per_step": summary.get("flops_per_step_sparse"),   # what runs (dense: the dense count)
             **{k: summary.get(k) for k in ("step_mode", "graph_captures", "graph_replays", "eager_steps",
-                                           "capture_s", "wall_s")}}
+                                           "capture_s", "wall_s", "kernel_choices")}}
 
 
 def update_cost(windows: list[list], updates: list[int]) -> dict | None:
@@ -299,10 +299,17 @@ def _num(v, fmt: str, none: str = "-") -> str:
     return none if v is None else format(v, fmt)
 
 
+def _on_cublas(choices: dict | None) -> str:
+    """``"fallback/tuned"``: of the block-sparse products the run's tuner chose for (a kind at one shape), how many
+    run as cuBLAS on the dense weight; "-" for a run with none."""
+    total = sum((choices or {}).values())
+    return f"{choices.get('dense', 0)}/{total}" if total else "-"
+
+
 def format_table(rows: list[dict]) -> str:
     unit = next((r["rate_key"].split("_")[0] for r in rows if r.get("rate_key")), "tokens")
     head = ["variant", "mode", f"{unit}/s", "x dense", "x dense best", "TFLOP/s", "% GEMM", "peak GB", "x mem",
-            "startup GB", "capt/eager", "update ms", "amortised", "x dense run"]
+            "startup GB", "capt/eager", "on cuBLAS", "update ms", "amortised", "x dense run"]
     lines = []
     for r in rows:
         if r.get("error"):
@@ -315,7 +322,7 @@ def format_table(rows: list[dict]) -> str:
                       _num(r.get("x_dense_best"), ".3f"), _num(r.get("model_tflops"), ".0f"),
                       _num(r.get("of_gemm") and 100 * r["of_gemm"], ".0f"), _num(r.get("peak_gb"), ".2f"),
                       _num(r.get("x_dense_mem"), ".3f"), _num(r.get("startup_peak_gb"), ".2f"),
-                      f"{r.get('graph_captures', 0)}/{r.get('eager_steps', 0)}",
+                      f"{r.get('graph_captures', 0)}/{r.get('eager_steps', 0)}", _on_cublas(r.get("kernel_choices")),
                       _num(up.get("update_s") and 1e3 * up["update_s"], ".1f"), amort,
                       _num(r.get("x_dense_at_interval"), ".3f")])
     widths = [max([len(head[i]), *(len(ln[i]) for ln in lines if len(ln) == len(head))]) for i in range(len(head))]

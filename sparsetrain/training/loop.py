@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sparsetrain import flops as flop_count
 from sparsetrain.kernels import set_kernel_options
+from sparsetrain.kernels.blocksparse import tuner as blocksparse_tuner
 from sparsetrain.training import checkpoint as ckpt
 from sparsetrain.training.batches import Batches, Prefetcher
 from sparsetrain.training.grad_sync import GradSync, broadcast_from_rank0
@@ -448,6 +449,7 @@ def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
         "processes": accelerator.num_processes, "ranks_masks_identical": final_ranks.identical,
         "flops_per_step_dense": report.dense_total, "flops_per_step_sparse": report.sparse_total,
         "step_mode": "cuda_graph" if run_step.graph_mode else "eager", **run_step.stats(),
+        "kernel_choices": blocksparse_tuner.choice_counts(),   # tuned block-sparse products per backend
     }
     if main:
         write_summary(run_dir, **summary)

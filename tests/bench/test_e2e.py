@@ -73,7 +73,7 @@ def test_recipe_facts_read_the_unmodified_recipe():
 
 
 # ---- the table, on hand-written run directories ---------------------------------------------------------
-def fake_run(path, window_s, peak=None, updates=(), captures=0, eager=80, items=1000, flops=None):
+def fake_run(path, window_s, peak=None, updates=(), captures=0, eager=80, items=1000, flops=None, choices=None):
     """A run dir of 8 windows of 10 steps; ``window_s[i]`` seconds for window i."""
     path.mkdir(parents=True)
     rows, elapsed = [], 0.0
@@ -89,7 +89,8 @@ def fake_run(path, window_s, peak=None, updates=(), captures=0, eager=80, items=
     (path / "summary.json").write_text(json.dumps({
         "status": "finished", "tokens_per_s": rates[len(rates) // 2], "step_mode": "cuda_graph" if captures else
         "eager", "graph_captures": captures, "graph_replays": 80 - eager, "eager_steps": eager,
-        "capture_s": 0.1, "wall_s": elapsed, "flops_per_step_sparse": flops}))
+        "capture_s": 0.1, "wall_s": elapsed, "flops_per_step_sparse": flops,
+        **({"kernel_choices": choices} if choices is not None else {})}))
     return path
 
 
@@ -104,7 +105,7 @@ def test_table_ratios_and_update_cost(tmp_path):
     runs = [run("dense", "eager", [4.0] + [2.0] * 7, 10.0),
             run("dense", "graph", [4.0] + [1.0] * 7, 12.0, captures=1, eager=1, flops=3e12, items_per_step=500),
             run("static", "eager", [4.0] + [1.6] * 7, 5.0), run("static", "graph", [4.0] + [0.5] * 7, 6.0, captures=1,
-                                                                eager=1),
+                                                                eager=1, choices={"cuda": 7, "dense": 5}),
             run("dyn", "graph", dyn, 6.0, updates=[16, 32, 48, 64], captures=5, eager=9, dynamic=True,
                 recipe_interval=625.0),
             {"variant": "broken", "mode": "graph", "error": "CUDA out of memory"}]
@@ -132,6 +133,11 @@ def test_table_ratios_and_update_cost(tmp_path):
     assert text.splitlines()[0].split()[-3:] == ["x", "dense", "run"]
     assert [ln.split()[-1] for ln in text.splitlines() if ln.startswith("dyn")] == ["0.992"]
     assert [ln.split()[:2] for ln in text.splitlines()[2:]][2] == ["static", "eager"]
+    # on cuBLAS: of the tuned block-sparse products, those the dense fallback runs; "-" for a run without any
+    head = [c.strip() for c in text.splitlines()[0].split("  ") if c.strip()]
+    cells = {tuple(ln.split()[:2]): ln.split() for ln in text.splitlines()[2:] if "error" not in ln}
+    assert cells["static", "graph"][head.index("on cuBLAS")] == "5/12"
+    assert cells["dense", "graph"][head.index("on cuBLAS")] == "-"
 
 
 def test_plot_shows_a_dynamic_variant_at_the_recipe_interval(tmp_path, monkeypatch):

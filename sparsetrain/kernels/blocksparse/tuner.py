@@ -315,6 +315,16 @@ def choose(timed: Sequence[tuple[object, float]], margin: float | None = None):
     return timed[best_i][0]
 
 
+def choice_counts() -> dict[str, int]:
+    """How many tuned products (a product kind at one shape) each backend runs, timed in this process or read from
+    disk, ``{backend name: count}``: e.g. how many went to the dense fallback (cuBLAS)."""
+    counts: dict[str, int] = {}
+    for cfg in _TUNED.values():
+        name = backend_of(cfg).name
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def tuned_configs() -> dict[str, str]:
     """The choices made so far, timed in this process or read from disk, ``{key: config}`` (for benchmark
     reports)."""

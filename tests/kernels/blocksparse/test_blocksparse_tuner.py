@@ -88,6 +88,7 @@ def test_a_registered_backend_is_timed_and_chosen():
         assert timed == [INTERP_DDS[16], ReferenceConfig(), INTERP_DDS[16], ReferenceConfig(),
                          INTERP_DW[16], ReferenceConfig()]  # fwd, dx, dw: the interpreter's tile and ours
         assert calls == ["fwd", "dx", "dw"] and len(tuner.tuned_configs()) == 3
+        assert tuner.choice_counts() == {"reference": 3}   # what a run's summary reports (kernel_choices)
         w = values_to_dense(values.detach().double(), meta)
         assert rel(y, x.detach().double() @ w.t() + bias.detach().double()) < 1e-6
         dx, dv, db = reference_grads(x.detach().double(), dy.double(), values.detach().double(), meta)
