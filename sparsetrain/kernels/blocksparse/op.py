@@ -51,10 +51,7 @@ class BlockSparseLinearFn(torch.autograd.Function):
     def forward(ctx, x2d: Tensor, values: Tensor, bias: Tensor | None, meta: BlockSparseMeta,
                 dense_grad_hook: Callable[[Tensor], None] | None) -> Tensor:
         ctx.values_dtype = values.dtype
-        if values.dtype == torch.float32 and x2d.dtype in (torch.float16, torch.bfloat16):
-            # fp32 master values, 16-bit activations: one cast of the active blocks per step, shared by the
-            # forward and the input gradient (the CUDA tiles take 16-bit values; Triton reads half the bytes)
-            values = values.to(x2d.dtype)
+        values = _as_operand(values, x2d)   # one cast per step, shared by the forward and the input gradient
         ctx.save_for_backward(x2d, values)
         ctx.meta, ctx.hook = meta, dense_grad_hook
         ctx.bias_dtype = bias.dtype if bias is not None else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -318,11 +319,7 @@ def choose(timed: Sequence[tuple[object, float]], margin: float | None = None):
 def choice_counts() -> dict[str, int]:
     """How many tuned products (a product kind at one shape) each backend runs, timed in this process or read from
     disk, ``{backend name: count}``: e.g. how many went to the dense fallback (cuBLAS)."""
-    counts: dict[str, int] = {}
-    for cfg in _TUNED.values():
-        name = backend_of(cfg).name
-        counts[name] = counts.get(name, 0) + 1
-    return counts
+    return dict(Counter(backend_of(cfg).name for cfg in _TUNED.values()))
 
 
 def tuned_configs() -> dict[str, str]:
