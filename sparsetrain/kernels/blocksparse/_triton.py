@@ -38,6 +38,8 @@ def dense_x_blocksparse_kernel(
     out_ptr,   # [T, N] dense output, unit column stride, row stride stride_o; every element is written
     aux_ptr,   # EPI 2: GELU's input, laid out as out (else unused)
     out2_ptr,  # EPI 1, 2: GELU's output, laid out as out (else unused)
+    a1_ptr, a2_ptr,      # A_PARTS: A's second and third pieces (else unused)
+    out1_ptr, out2p_ptr,  # OUT_PARTS: the output's second and third pieces (else unused)
     T, stride_at, stride_ak, stride_o, n_out_blocks, n_ranges, blocks_per_prog,
     FORWARD: tl.constexpr,   # True: B = Wᵀ (entries listed per block-row of W); False: B = W (per block-column)
     HAS_BIAS: tl.constexpr,
@@ -48,6 +50,10 @@ def dense_x_blocksparse_kernel(
     CACHE_A: tl.constexpr,   # cache modifier of the A loads: ".ca" keeps them in L1 for re-reads by this program
     WIDE: tl.constexpr = False,  # GROUP_K == 1 only: accumulate outᵀ [BLOCK, BLOCK_T] (the W block as the MMA's
                                  # M side, the tokens as its N side: one wgmma m64n256 instead of n64 ones)
+    A_PARTS: tl.constexpr = 0,    # > 0: A is three tensors of A_PARTS column blocks each (a_ptr, a1_ptr, a2_ptr),
+                                  # one row stride (stride_at): e.g. the query, key and value gradients
+    OUT_PARTS: tl.constexpr = 0,  # > 0: the output is three tensors of OUT_PARTS column blocks each (out_ptr,
+                                  # out1_ptr, out2p_ptr), row stride stride_o; no epilogue
 ):
     pid = tl.program_id(0)
     # A program owns BLOCK_T tokens and blocks_per_prog consecutive output column blocks, walked as ONE
@@ -65,7 +71,7 @@ def dense_x_blocksparse_kernel(
     offs_b = tl.arange(0, BLOCK)
     # int64 row offsets: T * K can pass 2**31 for long sequences. (Launchers pass row-major A: stride_ak == 1,
     # which Triton specializes, so the gathered rows are known contiguous and loaded 16 bytes at a time.)
-    a_rows = a_ptr + offs_t.to(tl.int64)[:, None] * stride_at
+    a_rows = offs_t.to(tl.int64)[:, None] * stride_at    # element offsets of A's rows
     out_rows = offs_t.to(tl.int64)[:, None] * stride_o  # element offsets of the output rows
     acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
     for e0 in range(e_begin, e_end, GROUP_K):
@@ -75,8 +81,9 @@ def dense_x_blocksparse_kernel(
             kb = tl.load(kidx_ptr + e0)
             slot = tl.load(slot_ptr + e0)
             cols_ok = offs_b < tl.where(slot >= 0, BLOCK, 0)  # all False for a padding entry
-            a = tl.load(a_rows + (kb * BLOCK + offs_b[None, :]) * stride_ak, mask=t_ok[:, None] & cols_ok[None, :],
-                        other=0.0, cache_modifier=CACHE_A)
+            a_base, kb = _piece(a_ptr, a1_ptr, a2_ptr, kb, A_PARTS)
+            a = tl.load(a_base + a_rows + (kb * BLOCK + offs_b[None, :]) * stride_ak,
+                        mask=t_ok[:, None] & cols_ok[None, :], other=0.0, cache_modifier=CACHE_A)
             vb = v_ptr + tl.maximum(slot, 0) * (BLOCK * BLOCK)
             v = tl.load(vb + offs_b[:, None] * BLOCK + offs_b[None, :], mask=cols_ok[:, None], other=0.0)
             v = v.to(a_ptr.dtype.element_ty)  # float32 master values under autocast: cast here, not per step
@@ -91,7 +98,12 @@ def dense_x_blocksparse_kernel(
             slot = tl.load(slot_ptr + ent)
             ok = slot >= 0
             # [BLOCK_T, GROUP_K, BLOCK] strip of A: GROUP_K gathered column blocks, each BLOCK contiguous.
-            a = tl.load(a_rows[:, :, None] + ((kb * BLOCK)[None, :, None] + offs_b[None, None, :]) * stride_ak,
+            if A_PARTS:
+                a_base, kb = _piece(a_ptr, a1_ptr, a2_ptr, kb, A_PARTS)
+                a_base = a_base[None, :, None]
+            else:
+                a_base = a_ptr
+            a = tl.load(a_base + a_rows[:, :, None] + ((kb * BLOCK)[None, :, None] + offs_b[None, None, :]) * stride_ak,
                         mask=t_ok[:, None, None] & ok[None, :, None], other=0.0, cache_modifier=CACHE_A)
             a = tl.reshape(a, (BLOCK_T, GROUP_K * BLOCK))
             vb = v_ptr + tl.maximum(slot, 0) * (BLOCK * BLOCK)
@@ -113,9 +125,24 @@ def dense_x_blocksparse_kernel(
             res = tl.trans(acc) if WIDE else acc
             if HAS_BIAS:
                 res += tl.load(bias_ptr + j * BLOCK + offs_b).to(tl.float32)[None, :]
-            _store_epilogue(out_ptr, aux_ptr, out2_ptr, out_rows + j * BLOCK + offs_b[None, :], res, t_ok[:, None],
-                            EPI)
+            if OUT_PARTS:
+                o_base, jj = _piece(out_ptr, out1_ptr, out2p_ptr, j, OUT_PARTS)
+                tl.store(o_base + out_rows + jj * BLOCK + offs_b[None, :], res.to(out_ptr.dtype.element_ty),
+                         mask=t_ok[:, None])
+            else:
+                _store_epilogue(out_ptr, aux_ptr, out2_ptr, out_rows + j * BLOCK + offs_b[None, :], res,
+                                t_ok[:, None], EPI)
             acc = tl.zeros((BLOCK, BLOCK_T) if WIDE else (BLOCK_T, BLOCK), dtype=tl.float32)
+
+
+@triton.jit
+def _piece(p0, p1, p2, blk, PARTS: tl.constexpr):
+    """``(base pointer, column block inside it)`` of column block ``blk`` of an operand given as three tensors of
+    ``PARTS`` column blocks each (``PARTS`` 0: one tensor, ``p0``)."""
+    if PARTS:
+        part = blk // PARTS
+        return tl.where(part == 0, p0, tl.where(part == 1, p1, p2)), blk - part * PARTS
+    return p0, blk
 
 
 @triton.jit

@@ -120,9 +120,12 @@ def _choose_split(n_groups: int, T: int, block_t: int, device: torch.device) -> 
 
 
 def dds_plan(meta: BlockSparseMeta, cfg: DdsConfig, forward: bool, has_bias: bool, T: int,
-             a_strides: tuple[int, int], epi: int = 0) -> TritonPlan:
+             a_strides: tuple[int, int], epi: int = 0, parts: int = 0) -> TritonPlan:
     """The launch plan of :func:`~._triton.dense_x_blocksparse_kernel` for one tile (built from integers only,
-    so a plan made later, e.g. a TMA plan's fallback, keeps no call's tensors)."""
+    so a plan made later, e.g. a TMA plan's fallback, keeps no call's tensors). ``parts`` (0 or 3): the layer's
+    output is three tensors of equal width (the forward writes them, the input gradient reads dY from them); the
+    plan is then called ``plan(a, values, bias, out, out, out, a1, a2, out1, out2)`` with the pieces (forward:
+    ``out, out1, out2``; input gradient: ``a, a1, a2``) and ``a_strides`` / the output's row stride are a piece's."""
     from sparsetrain.kernels.blocksparse._triton import dense_x_blocksparse_kernel
 
     B = meta.block
@@ -130,14 +133,19 @@ def dds_plan(meta: BlockSparseMeta, cfg: DdsConfig, forward: bool, has_bias: boo
     ptr, kidx, slot, oidx = meta.padded_entries(forward, cfg.group_k, fixed=True)
     n_ranges = cdiv(n_out, cfg.blocks_per_prog)
     grid = (cdiv(T, cfg.block_t) * n_ranges,)
-    args = [None, None, ptr, kidx, slot, oidx, None, None, None, None,
-            T, a_strides[0], a_strides[1], n_out * B, n_out, n_ranges, cfg.blocks_per_prog]
+    args = [None, None, ptr, kidx, slot, oidx, None, None, None, None, None, None, None, None,
+            T, a_strides[0], a_strides[1], n_out * B // (parts if forward and parts else 1), n_out, n_ranges,
+            cfg.blocks_per_prog]
+    if parts and (parts != 3 or epi or meta.grid[0] % parts):
+        raise ValueError(f"dds_plan: parts={parts} (3 pieces of whole blocks, no epilogue)")
     opts = dict(FORWARD=forward, HAS_BIAS=has_bias, EPI=epi, BLOCK=B, GROUP_K=cfg.group_k, BLOCK_T=cfg.block_t,
                 CACHE_A=cfg.cache_a, WIDE=cfg.wide and cfg.group_k == 1, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                num_stages=cfg.num_stages, A_PARTS=0 if forward or not parts else meta.grid[0] // parts,
+                OUT_PARTS=meta.grid[0] // parts if forward and parts else 0)
     # called plan(a, values, bias, out) or, with an epilogue, plan(a, values, bias, out, aux, out2); an unused
     # pointer argument is given out's (the kernel does not touch it)
-    return TritonPlan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7, 8, 9), opts, out_width=n_out * B,
+    return TritonPlan(dense_x_blocksparse_kernel, grid, args, (0, 1, 6, 7, 8, 9, 10, 11, 12, 13), opts,
+                      out_width=n_out * B,
                       stable=True, native_epilogue=True)
 
 

@@ -352,3 +352,31 @@ def test_kept_plans_follow_an_in_place_topology_rewrite(b, tiles, poison):
         check()
         assert meta._groups["plans"].keys() == kept.keys()
         assert all(meta._groups["plans"][k] is p for k, p in kept.items())
+
+
+@pytest.mark.parametrize("b,pattern,dtype", [(16, "random", torch.float32), (16, "empty_rows_cols", torch.float16),
+                                             (32, "random", torch.float16), (32, "single", torch.float32)])
+def test_gather_plan_with_the_output_in_three_pieces(b, pattern, dtype):
+    """``gather.dds_plan(parts=3)``: the forward writes its output as three tensors (a fused query/key/value
+    projection's q, k, v) and the input gradient reads dY from three, each piece its own allocation, against the
+    product on the concatenated tensors. b=16 runs the gathered (GROUP_K 2) path, b=32 the single-block one."""
+    from sparsetrain.kernels.blocksparse import gather
+
+    gen = torch.Generator().manual_seed(b + len(pattern))
+    T, I, O = 37, 64, 3 * 2 * b
+    meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // b, I // b), gen), b)
+    values = torch.randn(meta.n_blocks, b, b, generator=gen).to(dtype)
+    bias = torch.randn(O, generator=gen).to(dtype)
+    w = values_to_dense(values.double(), meta)
+    x = torch.randn(T, I, generator=gen).to(dtype)
+    fwd = gather.dds_plan(meta, INTERP_DDS[b], True, True, T, x.stride(), parts=3)
+    outs = [torch.full((T, O // 3), float("nan"), dtype=dtype) for _ in range(3)]
+    fwd(x, values, bias, outs[0], outs[0], outs[0], x, x, outs[1], outs[2])
+    assert rel(torch.cat(outs, 1), x.double() @ w.t() + bias.double()) < 2e-3
+    dys = [torch.randn(T, O // 3, generator=gen).to(dtype) for _ in range(3)]
+    dxp = gather.dds_plan(meta, INTERP_DDS[b], False, False, T, dys[0].stride(), parts=3)
+    dx = torch.full((T, I), float("nan"), dtype=dtype)
+    dxp(dys[0], values, dys[0], dx, dx, dx, dys[1], dys[2], dx, dx)
+    assert rel(dx, torch.cat(dys, 1).double() @ w) < 2e-3
+    with pytest.raises(ValueError, match="parts"):
+        gather.dds_plan(meta, INTERP_DDS[b], True, True, T, x.stride(), epi=1, parts=3)
