@@ -230,16 +230,20 @@ def sampled_grad_kernel(
     kidx_ptr,    # [n_blocks] int32: block column of each slot
     dv_ptr,      # [n_blocks, BLOCK, BLOCK] gradient of the values: float32 zero-filled when SPLIT > 1, else any dtype
     db_ptr,      # [O] float32 bias gradient, zero-filled; written only when HAS_DBIAS
+    dy1_ptr, dy2_ptr,  # DY_PARTS: dY's second and third pieces (else unused)
     T, stride_xt, stride_xk, stride_dy, n_groups, t_per_split,
     HAS_DBIAS: tl.constexpr,
     BLOCK: tl.constexpr,     # block edge B
     GROUP: tl.constexpr,     # blocks per group: the tl.dot has M = GROUP * BLOCK
     BLOCK_T: tl.constexpr,   # tokens per reduction step
     SPLIT: tl.constexpr,     # token slices; > 1 adds partial sums with fp32 atomics
+    DY_PARTS: tl.constexpr = 0,  # > 0: dY is three tensors of DY_PARTS column blocks each (dy_ptr, dy1_ptr,
+                                 # dy2_ptr), row stride stride_dy
 ):
     grp, r, s0, cnt, t_begin, t_end = _dw_item(grow_ptr, gstart_ptr, gcount_ptr, T, n_groups, t_per_split,
                                                HAS_DBIAS)
     offs_b = tl.arange(0, BLOCK)
+    dy_base, rr = _piece(dy_ptr, dy1_ptr, dy2_ptr, r, DY_PARTS)   # block row r of dY: its piece and place there
     acc = tl.zeros((GROUP * BLOCK, BLOCK), dtype=tl.float32)
     dbacc = tl.zeros((BLOCK,), dtype=tl.float32)
     # 16-bit dY: the bias gradient's column sums on the tensor cores (ones[16, BLOCK_T] · dY, 16 equal rows, a
@@ -256,7 +260,7 @@ def sampled_grad_kernel(
             # (an empty row reads column block 0 for nothing; only happens with a bias, and is not stored)
             xg = tl.load(x_ptr + rows * stride_xt + (kb * BLOCK + offs_b[None, :]) * stride_xk, mask=t_ok[:, None],
                          other=0.0)
-            dy = tl.load(dy_ptr + rows * stride_dy + r * BLOCK + offs_b[None, :], mask=t_ok[:, None], other=0.0)
+            dy = tl.load(dy_base + rows * stride_dy + rr * BLOCK + offs_b[None, :], mask=t_ok[:, None], other=0.0)
             acc = tl.dot(tl.trans(xg), dy, acc)  # acc[k, n] = sum_t X[t, kb*B + k] * dY[t, r*B + n]
             if DB_MMA:
                 dbt = tl.dot(ones, dy, dbt)
@@ -281,7 +285,7 @@ def sampled_grad_kernel(
                          + ((kb * BLOCK)[None, :, None] + offs_b[None, None, :]) * stride_xk,
                          mask=t_ok[:, None, None] & ok_g[None, :, None], other=0.0)
             xg = tl.reshape(xg, (BLOCK_T, GROUP * BLOCK))
-            dy = tl.load(dy_ptr + rows * stride_dy + r * BLOCK + offs_b[None, :], mask=t_ok[:, None], other=0.0)
+            dy = tl.load(dy_base + rows * stride_dy + rr * BLOCK + offs_b[None, :], mask=t_ok[:, None], other=0.0)
             acc = tl.dot(tl.trans(xg), dy, acc)  # acc[(g, k), n] = dW block g at (n, k)
             if DB_MMA:
                 dbt = tl.dot(ones, dy, dbt)

@@ -150,18 +150,22 @@ def dds_plan(meta: BlockSparseMeta, cfg: DdsConfig, forward: bool, has_bias: boo
 
 
 def dw_plan(meta: BlockSparseMeta, cfg: DwConfig, with_bias: bool, T: int, x_strides: tuple[int, int],
-            dy_stride: int, device: torch.device) -> TritonPlan:
-    """The launch plan of :func:`~._triton.sampled_grad_kernel` for one tile (from integers only)."""
+            dy_stride: int, device: torch.device, parts: int = 0) -> TritonPlan:
+    """The launch plan of :func:`~._triton.sampled_grad_kernel` for one tile (from integers only), called
+    ``plan(x, dy, dv, db)``; with ``parts`` = 3 (dY as three tensors of equal width, ``dy_stride`` a piece's row
+    stride) ``plan(x, dy, dv, db, dy1, dy2)``."""
     from sparsetrain.kernels.blocksparse._triton import sampled_grad_kernel
 
     grow, gstart, gcount, gfirst, n_groups = meta.dw_groups(cfg.group, fixed=True)
     split = _choose_split(meta.dw_groups_used(cfg.group), T, cfg.block_t, device)   # for the groups with work
     t_per_split = cdiv(cdiv(T, split), cfg.block_t) * cfg.block_t
-    args = [None, None, grow, gstart, gcount, gfirst, meta.col_idx, None, None,
+    if parts and (parts != 3 or meta.grid[0] % parts):
+        raise ValueError(f"dw_plan: parts={parts} (3 pieces of whole blocks)")
+    args = [None, None, grow, gstart, gcount, gfirst, meta.col_idx, None, None, None, None,
             T, x_strides[0], x_strides[1], dy_stride, n_groups, t_per_split]
     opts = dict(HAS_DBIAS=with_bias, BLOCK=meta.block, GROUP=cfg.group, BLOCK_T=cfg.block_t, SPLIT=split,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return TritonPlan(sampled_grad_kernel, (n_groups * split,), args, (0, 1, 7, 8), opts, atomic=split > 1,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, DY_PARTS=meta.grid[0] // parts if parts else 0)
+    return TritonPlan(sampled_grad_kernel, (n_groups * split,), args, (0, 1, 7, 8, 9, 10), opts, atomic=split > 1,
                       stable=True)
 
 

@@ -380,3 +380,26 @@ def test_gather_plan_with_the_output_in_three_pieces(b, pattern, dtype):
     assert rel(dx, torch.cat(dys, 1).double() @ w) < 2e-3
     with pytest.raises(ValueError, match="parts"):
         gather.dds_plan(meta, INTERP_DDS[b], True, True, T, x.stride(), epi=1, parts=3)
+
+
+@pytest.mark.parametrize("b,pattern,dtype", [(16, "random", torch.float32), (16, "empty_rows_cols", torch.float16),
+                                             (32, "random", torch.float16)])
+def test_gather_weight_gradient_with_dy_in_three_pieces(b, pattern, dtype):
+    """``gather.dw_plan(parts=3)``: the weight and bias gradients read dY from three tensors (the attention
+    gradients of a fused q/k/v projection), against the reference on the concatenated dY; the token reduction
+    split in two under the interpreter (float32 partial sums), as in the other weight-gradient tests."""
+    from sparsetrain.kernels.blocksparse import gather
+
+    gen = torch.Generator().manual_seed(3 * b + len(pattern))
+    T, I, O = 37, 64, 3 * 2 * b
+    meta = BlockSparseMeta.from_mask(make_mask(pattern, (O // b, I // b), gen), b)
+    x = torch.randn(T, I, generator=gen).to(dtype)
+    dys = [torch.randn(T, O // 3, generator=gen).to(dtype) for _ in range(3)]
+    plan = gather.dw_plan(meta, INTERP_DW[b], True, T, x.stride(), dys[0].stride(0), x.device, parts=3)
+    assert plan.atomic
+    buf = torch.zeros(meta.n_blocks * b * b + O)
+    dv, db = buf[: meta.n_blocks * b * b].view(meta.n_blocks, b, b), buf[meta.n_blocks * b * b:]
+    plan(x, dys[0], dv, db, dys[1], dys[2])
+    _, dv_ref, db_ref = reference_grads(x.double(), torch.cat(dys, 1).double(),
+                                        torch.zeros(meta.n_blocks, b, b, dtype=torch.float64), meta)
+    assert rel(dv, dv_ref) < 2e-3 and rel(db, db_ref) < 2e-3
