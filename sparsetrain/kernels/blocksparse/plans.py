@@ -232,9 +232,10 @@ def sampled_grad_planned(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias
 
 
 def run_dw(plan, x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
-           out_dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """Allocate the outputs of one weight-gradient launch and run it. An atomic plan adds float32 partial sums
-    into zeroed memory; dvalues and dbias then share ONE zero-filled buffer (one fill instead of two)."""
+           out_dtype: torch.dtype, more_dy: tuple | list = ()) -> tuple[Tensor, Tensor | None]:
+    """Allocate the outputs of one weight-gradient launch and run it (``more_dy``: dY's other pieces, for a plan
+    built with parts). An atomic plan adds float32 partial sums into zeroed memory; dvalues and dbias then share
+    ONE zero-filled buffer (one fill instead of two)."""
     B, n, O, dev = meta.block_rows, meta.n_blocks, meta.out_features, x.device
     db = None
     if plan.atomic:
@@ -250,5 +251,117 @@ def run_dw(plan, x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias: bool,
             db = torch.zeros(O, dtype=torch.float32, device=dev)
     if x.shape[0] == 0:
         return dv.zero_(), db
-    plan(x, dy, dv, db if db is not None else dv)
+    plan(x, dy, dv, db if db is not None else dv, *more_dy)
     return dv, db
+
+
+# ---- a layer whose output is three tensors: a fused query/key/value projection --------------------------------
+PARTS = 3
+
+
+def parts_native(meta: BlockSparseMeta) -> bool:
+    """Whether this layer's products run with its output as :data:`PARTS` tensors without a copy: blocks that only
+    the Triton kernels serve (64, 128: the gather kernels take three pieces, tuned among their own candidates) and
+    an output of whole blocks per piece. Elsewhere the layer's output stays one tensor (the caller splits it, and
+    its backward concatenates the pieces' gradients)."""
+    return meta.block >= 64 and meta.grid[0] % PARTS == 0
+
+
+def _gather_tuned(kind: str, p: Product, key: tuple, build, run):
+    """The gather config for a three-piece product: tuned among the gather candidates (``build(cfg)`` a plan,
+    ``run(plan)`` one launch, timed), the choice kept like the tuner's others."""
+    built: dict = {}
+
+    def launch(cfg):
+        if cfg not in built:
+            built[cfg] = build(cfg)
+        return run(built[cfg])
+
+    cfg = tuner.pick(kind, key, p.a.device, gather.BACKEND.candidates(p), launch)
+    return built.get(cfg) or build(cfg)
+
+
+def dds_parts_forward(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None) -> list[Tensor]:
+    """``x [T, I] · Wᵀ + bias`` as :data:`PARTS` tensors ``[T, O / PARTS]`` (each its own allocation), written by
+    the gather kernel directly (:func:`parts_native` layers)."""
+    T, width, has_bias = x.shape[0], meta.out_features // PARTS, bias is not None
+    outs = [torch.empty(T, width, dtype=x.dtype, device=x.device) for _ in range(PARTS)]
+    if T == 0:
+        return outs
+    pkey = ("plan_dds_parts", True, T, x.stride(0), x.stride(1), x.dtype, values.dtype,
+            bias.dtype if has_bias else None, x.device, *tuner.steering())
+    plan = _plans(meta).get(pkey)
+
+    def run(pl):
+        if HOOKS.poison:
+            for o in outs:
+                o.fill_(float("nan"))
+        pl(x, values, bias if has_bias else x, outs[0], outs[0], outs[0], x, x, outs[1], outs[2])
+        return tuple(outs)
+
+    if plan is None:
+        p = Product("fwd", meta, x, values, has_bias)
+        key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
+               values.dtype, has_bias, PARTS)
+        plan = _gather_tuned("fwd", p, key, lambda cfg: gather.dds_plan(
+            meta, cfg, True, has_bias, T, x.stride(), parts=PARTS), run)
+        if _may_cache(x.device):
+            _keep_plan(meta, pkey, plan)
+    run(plan)
+    return outs
+
+
+def dds_parts_dx(dys: list[Tensor], values: Tensor, meta: BlockSparseMeta) -> Tensor:
+    """``dY · W`` with dY given as :data:`PARTS` tensors ``[T, O / PARTS]`` of one row stride (the gradients of
+    :func:`dds_parts_forward`'s outputs), read in place by the gather kernel: ``dx [T, I]``."""
+    d0 = dys[0]
+    T = d0.shape[0]
+    dx = torch.empty(T, meta.in_features, dtype=d0.dtype, device=d0.device)
+    if T == 0:
+        return dx
+    pkey = ("plan_dds_parts", False, T, d0.stride(0), d0.stride(1), d0.dtype, values.dtype, None, d0.device,
+            *tuner.steering())
+    plan = _plans(meta).get(pkey)
+
+    def run(pl):
+        if HOOKS.poison:
+            dx.fill_(float("nan"))
+        pl(d0, values, d0, dx, dx, dx, dys[1], dys[2], dx, dx)
+        return dx
+
+    if plan is None:
+        p = Product("dx", meta, d0, values, False)
+        key = (meta.block, _pow2(T), meta.out_features, meta.in_features, tuner.density_bucket(meta), d0.dtype,
+               values.dtype, False, PARTS)
+        plan = _gather_tuned("dx", p, key, lambda cfg: gather.dds_plan(
+            meta, cfg, False, False, T, d0.stride(), parts=PARTS), run)
+        if _may_cache(d0.device):
+            _keep_plan(meta, pkey, plan)
+    return run(plan)
+
+
+def sampled_grad_parts(x: Tensor, dys: list[Tensor], meta: BlockSparseMeta, with_bias: bool,
+                       out_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor | None]:
+    """:func:`sampled_grad` with dY given as :data:`PARTS` tensors of one row stride, read in place."""
+    d0 = dys[0]
+    T = x.shape[0]
+    pkey = ("plan_dw_parts", T, x.stride(0), x.stride(1), d0.stride(0), x.dtype, d0.dtype, out_dtype, with_bias,
+            x.device, *tuner.steering())
+    plan = _plans(meta).get(pkey)
+    result: list = []
+
+    def run(pl):
+        result[:] = run_dw(pl, x, d0, meta, with_bias, out_dtype, dys[1:])
+        return tuple(result)
+
+    if plan is None:
+        p = Product("dw", meta, x, d0, with_bias)
+        key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
+               out_dtype, with_bias, PARTS)
+        plan = _gather_tuned("dw", p, key, lambda cfg: gather.dw_plan(
+            meta, cfg, with_bias, T, x.stride(), d0.stride(0), x.device, parts=PARTS), run)
+        if T > 0 and _may_cache(x.device):
+            _keep_plan(meta, pkey, plan)
+    run(plan)
+    return result[0], result[1]
+

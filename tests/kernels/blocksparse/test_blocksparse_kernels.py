@@ -403,3 +403,29 @@ def test_gather_weight_gradient_with_dy_in_three_pieces(b, pattern, dtype):
     _, dv_ref, db_ref = reference_grads(x.double(), torch.cat(dys, 1).double(),
                                         torch.zeros(meta.n_blocks, b, b, dtype=torch.float64), meta)
     assert rel(dv, dv_ref) < 2e-3 and rel(db, db_ref) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_three_piece_products_through_the_plans(dtype, poison):
+    """plans.dds_parts_forward / dds_parts_dx / sampled_grad_parts (a fused q/k/v projection at 64x64 blocks):
+    the same products as on the concatenated tensors, the plans kept and reused on a second call."""
+    gen = torch.Generator().manual_seed(7)
+    b, T, I, O = 64, 21, 128, 3 * 128
+    meta = BlockSparseMeta.from_mask(make_mask("random", (O // b, I // b), gen), b)
+    assert plans.parts_native(meta) and not plans.parts_native(BlockSparseMeta.from_mask(torch.ones(3, 2, dtype=torch.bool), 16))
+    values = torch.randn(meta.n_blocks, b, b, generator=gen).to(dtype)
+    bias = torch.randn(O, generator=gen).to(dtype)
+    w = values_to_dense(values.double(), meta)
+    x = torch.randn(T, I, generator=gen).to(dtype)
+    dys = [torch.randn(T, O // 3, generator=gen).to(dtype) for _ in range(3)]
+    _, dv_ref, db_ref = reference_grads(x.double(), torch.cat(dys, 1).double(),
+                                        torch.zeros(meta.n_blocks, b, b, dtype=torch.float64), meta)
+    for _ in range(2):
+        outs = plans.dds_parts_forward(x, values, meta, bias)
+        assert len(outs) == 3 and all(o.shape == (T, O // 3) for o in outs)
+        assert rel(torch.cat(outs, 1), x.double() @ w.t() + bias.double()) < 2e-3
+        assert rel(plans.dds_parts_dx(dys, values, meta), torch.cat(dys, 1).double() @ w) < 2e-3
+        dv, db = plans.sampled_grad_parts(x, dys, meta, with_bias=True)
+        assert rel(dv, dv_ref) < 2e-3 and rel(db, db_ref) < 2e-3
+    kept = [k for k in meta._groups["plans"] if k[0] in ("plan_dds_parts", "plan_dw_parts")]
+    assert len(kept) == 3
