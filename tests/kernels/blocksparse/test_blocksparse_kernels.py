@@ -429,3 +429,50 @@ def test_three_piece_products_through_the_plans(dtype, poison):
         assert rel(dv, dv_ref) < 2e-3 and rel(db, db_ref) < 2e-3
     kept = [k for k in meta._groups["plans"] if k[0] in ("plan_dds_parts", "plan_dw_parts")]
     assert len(kept) == 3
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_block_sparse_linear_parts_matches_the_split_output(compiled, poison):
+    """block_sparse_linear_parts (a fused q/k/v projection at 64x64 blocks, float32 master values under the
+    interpreter): the same three outputs as block_sparse_linear's output split, and the same gradients, eager
+    and as the custom ops under torch.compile, with a loss that weighs the pieces differently; one piece unused
+    (its gradient zero). Elsewhere (16x16 blocks) it is the split output itself."""
+    import torch._dynamo
+
+    from sparsetrain.kernels.blocksparse.op import block_sparse_linear_parts, parts_native_for
+
+    gen = torch.Generator().manual_seed(11)
+    b, I, O = 64, 128, 3 * 128
+    meta = BlockSparseMeta.from_mask(make_mask("random", (O // b, I // b), gen), b)
+    values = torch.randn(meta.n_blocks, b, b, generator=gen, requires_grad=True)
+    bias = torch.randn(O, generator=gen, requires_grad=True)
+    x = torch.randn(3, 7, I, generator=gen, requires_grad=True)
+    gs = [torch.randn(3, 7, O // 3, generator=gen) for _ in range(3)]
+    assert parts_native_for(x, meta)
+
+    def loss(pieces, use=(0, 1, 2)):
+        return sum((pieces[i] * gs[i]).sum() for i in use)
+
+    def grads(fn, use):
+        for t in (x, values, bias):
+            t.grad = None
+        pieces = fn(x, values, meta, bias)
+        loss(pieces, use).backward()
+        return [p.detach() for p in pieces], [t.grad.clone() for t in (x, values, bias)]
+
+    plain = lambda x_, v_, m_, b_: block_sparse_linear(x_, v_, m_, b_).split(O // 3, dim=-1)  # noqa: E731
+    torch._dynamo.reset()
+    fn = torch.compile(block_sparse_linear_parts, backend="aot_eager", fullgraph=True) if compiled \
+        else block_sparse_linear_parts
+    for use in [(0, 1, 2), (0, 2)]:
+        want_out, want_grads = grads(plain, use)
+        got_out, got_grads = grads(fn, use)
+        assert all(g.is_contiguous() for g in got_out)     # three tensors of their own, not views of one
+        for got, want in zip([*got_out, *got_grads], [*want_out, *want_grads], strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    small = BlockSparseMeta.from_mask(make_mask("random", (O // 16, I // 16), gen), 16)
+    assert not parts_native_for(x, small)
+    v16 = torch.randn(small.n_blocks, 16, 16, generator=gen)
+    out = block_sparse_linear_parts(x, v16, small, bias)
+    torch.testing.assert_close(torch.cat(out, -1), block_sparse_linear(x, v16, small, bias))
