@@ -27,15 +27,18 @@ from transformers.models.bert.modeling_bert import BertSelfAttention
 from transformers.models.vit import modeling_vit
 from transformers.models.vit.modeling_vit import ViTAttention
 
+from sparsetrain.nn.parts import linear_in_parts
+
 
 def _split_heads(qkv: nn.Module, hidden_states: torch.Tensor, head_dim: int):
-    """``qkv(hidden_states)`` [B, S, 3H] as the query, key and value [B, heads, S, head_dim] (views). Split along
-    the last dimension, not unbound from a [B, S, 3, heads, head_dim] view: the backward then concatenates the
-    three gradients along that dimension, a plain copy. Unbound, inductor folds the 5-D view and the flattening
-    for a block-sparse op into one kernel whose per-element index arithmetic made the copy twice as slow."""
-    fused = qkv(hidden_states)
+    """``qkv(hidden_states)`` [B, S, 3H] as the query, key and value [B, heads, S, head_dim] (views of the three
+    pieces of :func:`~sparsetrain.nn.parts.linear_in_parts`). Where a block-sparse layer's kernels write the
+    pieces as tensors of their own, its backward reads the three gradients where attention wrote them; elsewhere
+    the output is split along its last dimension and the backward concatenates the gradients, a plain copy (not
+    unbound from a [B, S, 3, heads, head_dim] view: inductor folds that view and the flattening for a
+    block-sparse op into one copy kernel whose per-element index arithmetic made it twice as slow)."""
     shape = (*hidden_states.shape[:-1], -1, head_dim)
-    return (t.view(shape).transpose(1, 2) for t in fused.split(fused.shape[-1] // 3, dim=-1))
+    return (t.view(shape).transpose(1, 2) for t in linear_in_parts(qkv, hidden_states))
 
 
 def _attend(module: nn.Module, eager, q, k, v, attention_mask, dropout: float, kwargs: dict):

@@ -21,21 +21,13 @@ from torch import Tensor, nn
 
 from sparsetrain.kernels._runtime.options import IN_FORCE
 from sparsetrain.kernels.blocksparse.op import _autocast_dtype, uses_kernels
-from sparsetrain.nn.formats.block import BlockFormat
-from sparsetrain.nn.sparse_linear import SparseLinear
-
-
-def _block_layer(m: nn.Module) -> bool:
-    # a module hook would not see the fused ops' call: such a layer runs as a module
-    return (isinstance(m, SparseLinear) and isinstance(m.storage, BlockFormat) and not m.capture_dense_grad
-            and isinstance(m._parameters.get("values"), torch.Tensor)
-            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
+from sparsetrain.nn.formats.block import BlockFormat, runs_block_ops
 
 
 def fusable(x: Tensor, fc1: nn.Module, fc2: nn.Module) -> bool:
     """Whether :func:`gelu_mlp` takes the fused ops for this input (the kernels take ``x`` in float32 as well as
     in the 16-bit dtype autocast casts it to, so the answer is the same before the cast)."""
-    if not (IN_FORCE[0].gelu_recompute and _block_layer(fc1) and _block_layer(fc2)):
+    if not (IN_FORCE[0].gelu_recompute and runs_block_ops(fc1) and runs_block_ops(fc2)):
         return False
     m1, m2 = BlockFormat.meta(fc1), BlockFormat.meta(fc2)
     if m1.out_features != m2.in_features or x.shape[-1] != m1.in_features or x.numel() == 0:

@@ -128,3 +128,37 @@ def test_a_local_pretrained_bert_is_fused_and_its_skeleton_too(tmp_path):
     (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"")   # never read: the type is refused first
     with pytest.raises(ValueError, match="^fused_qkv: .*'gpt2'"):
         check_model_args("hf", name_or_path=str(tmp_path / "gpt2"), fused_qkv=True)
+
+
+@pytest.mark.parametrize("arch", ["bert", "vit"])
+def test_block_sparse_fused_projection_in_parts_matches_the_split_output(arch, monkeypatch):
+    """A 64x64 block-sparse fused projection on the kernels (the Triton interpreter here) writes q, k and v as
+    tensors of their own and its backward reads their gradients in place (sparsetrain.nn.parts): the model's loss
+    and every gradient equal those of the same model with the output split (parts_native off)."""
+    from sparsetrain.kernels.blocksparse import op
+    from sparsetrain.nn import parts
+    from sparsetrain.nn.sparsify import sparsify
+
+    calls = []
+    real = parts.block_sparse_linear_parts
+    monkeypatch.setattr(parts, "block_sparse_linear_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(native: bool):
+        model = (_bert if arch == "bert" else _vit)("sdpa", fused_qkv=True).train()
+        for m in model.modules():   # dropout off: the two runs must see the same masks
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+        sparsify(model, targets=["*qkv"], density=0.5, block=64, format="block", seed=0)
+        monkeypatch.setattr(op, "parts_native", lambda meta: native and meta.block >= 64)
+        out = model(**_inputs(arch))
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    loss_s, grads_s = run(False)
+    assert not calls
+    loss_p, grads_p = run(True)
+    assert len(calls) == (2 if arch == "bert" else 12)     # every fused projection took the parts path
+    torch.testing.assert_close(loss_p, loss_s)
+    assert grads_p.keys() == grads_s.keys() and any(n.endswith("qkv.values") for n in grads_p)
+    for n in grads_s:
+        torch.testing.assert_close(grads_p[n], grads_s[n], rtol=1e-4, atol=1e-5)

@@ -39,6 +39,17 @@ if TYPE_CHECKING:  # pragma: no cover
 _PREFIX = "_bs_"
 
 
+def runs_block_ops(m: nn.Module) -> bool:
+    """Whether the block-sparse ops may run in place of ``m``'s forward (the fused feed-forward block, a projection
+    in parts): a :class:`~sparsetrain.nn.SparseLinear` in this format with a plain ``values`` Parameter, no
+    dense-gradient capture (RigL) and no module hook (a hook would not see the ops' call)."""
+    from sparsetrain.nn.sparse_linear import SparseLinear
+
+    return (isinstance(m, SparseLinear) and isinstance(m.storage, BlockFormat) and not m.capture_dense_grad
+            and isinstance(m._parameters.get("values"), torch.Tensor)
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
+
+
 def _current(bufs: dict, meta: BlockSparseMeta) -> bool:
     """Whether ``meta`` holds the layer's index buffers (``.to()`` replaces them all): six identity checks, which
     :meth:`BlockFormat.forward` makes inline."""
