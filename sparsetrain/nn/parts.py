@@ -2,8 +2,8 @@
 :func:`linear_in_parts`.
 
 Split after the product, the three pieces are views of one output, and autograd concatenates their three
-gradients into one tensor for the layer's backward: a copy of the whole output gradient (BERT-base at 256 x 128
-tokens: 300 MB, ~0.1 ms a layer on an H100). A block-sparse layer whose kernels take an operand in pieces
+gradients into one tensor for the layer's backward: a copy of the whole output gradient, every step. A
+block-sparse layer whose kernels take an operand in pieces
 (:func:`~sparsetrain.kernels.blocksparse.plans.parts_native`: 64x64 and 128x128 blocks, the Triton kernels)
 writes the three outputs as tensors of their own and reads their gradients where attention's backward wrote
 them. Anything else runs the layer and splits its output.
