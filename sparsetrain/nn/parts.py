@@ -3,10 +3,10 @@
 
 Split after the product, the three pieces are views of one output, and autograd concatenates their three
 gradients into one tensor for the layer's backward: a copy of the whole output gradient, every step. A
-block-sparse layer whose kernels take an operand in pieces
-(:func:`~sparsetrain.kernels.blocksparse.plans.parts_native`: 64x64 and 128x128 blocks, the Triton kernels)
-writes the three outputs as tensors of their own and reads their gradients where attention's backward wrote
-them. Anything else runs the layer and splits its output.
+block-sparse layer on the kernels (:func:`~sparsetrain.kernels.blocksparse.plans.parts_native`: three pieces of
+whole blocks) writes the three outputs as tensors of their own and reads their gradients where attention's
+backward wrote them; each product runs on whichever backend that takes pieces the tuner times fastest (CUDA,
+Triton gather, or three cuBLAS GEMMs). Anything else runs the layer and splits its output.
 """
 from __future__ import annotations
 

@@ -83,11 +83,11 @@ SIGNATURES = {
     "sparsetrain_spmm_bitmap": [_LL] * 10 + [_I] * 11 + [_LL],
     "sparsetrain_spmm_csl": [_LL] * 10 + [_I] * 11 + [_LL],
     "sparsetrain_spmm_pair": [_LL] * 10 + [_I] * 11 + [_LL],
-    "sparsetrain_bs_dds": [_LL] * 8 + [_I] * 12 + [_LL],
+    "sparsetrain_bs_dds": [_LL] * 12 + [_I] * 14 + [_LL],
     "sparsetrain_bs_dds_smem": [_I] * 4,
     "sparsetrain_bs_dds_warps": [_I] * 3,
-    "sparsetrain_bs_dw": [_LL] * 6 + [_I] * 10 + [_LL],
-    "sparsetrain_bs_dds_ks": [_LL] * 9 + [_I] * 12 + [_LL],
+    "sparsetrain_bs_dw": [_LL] * 8 + [_I] * 11 + [_LL],
+    "sparsetrain_bs_dds_ks": [_LL] * 13 + [_I] * 14 + [_LL],
 }
 _FAST: dict[tuple, ctypes.CDLL | None] = {}  # (name, device index, defines) -> library: the per-call lookup
 

@@ -11,7 +11,9 @@ built by ``nvcc`` on first use unless ``KernelOptions.cuda_kernels`` is off).
   grid) are separate candidates.
 
 The plans fix everything but the data pointers, like the Triton plans, and the tuner times these candidates
-beside the others, so a shape keeps whichever is fastest.
+beside the others, so a shape keeps whichever is fastest. Every kernel takes the dense operand or the output in
+three pieces (a fused query/key/value projection, ``Product.parts``): the piece of a 16-byte chunk is chosen
+from its column.
 """
 from __future__ import annotations
 
@@ -83,13 +85,15 @@ def candidates(a: Tensor, block: int, k: int) -> list[CudaDdsConfig]:
 class CudaDdsPlan:
     """One launch of ``bs_dds`` with everything but the data pointers fixed (called like the Triton plans:
     ``plan(a, values, bias_or_placeholder, out)``, with an epilogue ``plan(a, values, bias, out, aux, out2)``,
-    :mod:`.epilogue`)."""
+    :mod:`.epilogue`; with ``parts``: ``plan(a, values, bias, out, aux, out2, a1, a2, out1, out2)``)."""
 
-    __slots__ = ("fn", "info", "wbound", "t", "k", "block", "cfg", "trans", "has_bias", "out_width", "epi")
+    __slots__ = ("fn", "info", "wbound", "t", "k", "block", "cfg", "trans", "has_bias", "out_width", "epi",
+                 "widths")
     stable = True   # its tables are kept on the metadata and refilled by BlockSparseMeta.rewrite_
     native_epilogue = True
 
-    def __init__(self, a: Tensor, meta, cfg: CudaDdsConfig, forward: bool, has_bias: bool, epi: int = 0):
+    def __init__(self, a: Tensor, meta, cfg: CudaDdsConfig, forward: bool, has_bias: bool, epi: int = 0,
+                 parts: int = 0):
         so = _lib(a.device)
         if so is None:
             raise RuntimeError("the CUDA kernel bs_dds is unavailable here")
@@ -100,22 +104,48 @@ class CudaDdsPlan:
             raise ValueError(f"bs_dds: no tile {cfg} for {block}x{block} blocks")
         self.info = entry_info(meta, forward)
         self.wbound = warp_ranges(meta, forward, cfg.splits * warps)
-        self.t, self.k = a.shape
         self.block, self.cfg, self.trans, self.has_bias = block, cfg, not forward, has_bias
         n_out = meta.grid[0] if forward else meta.grid[1]
         self.out_width = n_out * block
+        self.t, self.k, self.widths = a.shape[0], *_piece_widths(a, self.out_width, forward, parts)
         self.epi = epi
 
     def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor, aux: Tensor | None = None,
-                 out2: Tensor | None = None) -> None:
+                 out2: Tensor | None = None, *pieces: Tensor) -> None:
         a, values, b_ptr, b_f32 = _operands(a, values, bias, self.has_bias)
         aux_ptr, out2_ptr = _epilogue_ptrs(self.epi, out, aux, out2)
+        ptrs, _alive = _piece_ptrs(self.widths, a, out, pieces)
         rc = self.fn(a.data_ptr(), values.data_ptr(), self.info.data_ptr(), self.wbound.data_ptr(), b_ptr,
-                     out.data_ptr(), aux_ptr, out2_ptr, self.t, self.k, a.stride(0), out.stride(0), self.block,
-                     self.cfg.mt, self.cfg.half, self.cfg.splits, int(self.trans), int(a.dtype == torch.bfloat16),
-                     b_f32, self.epi, raw_stream(a.device))
+                     out.data_ptr(), aux_ptr, out2_ptr, *ptrs, self.t, self.k, a.stride(0), out.stride(0),
+                     self.block, self.cfg.mt, self.cfg.half, self.cfg.splits, int(self.trans),
+                     int(a.dtype == torch.bfloat16), b_f32, self.epi, *self.widths, raw_stream(a.device))
         if rc != 0:
             raise RuntimeError(f"bs_dds launch failed with code {rc} ({self.cfg})")
+
+
+def _piece_widths(a: Tensor, out_width: int, forward: bool, parts: int) -> tuple[int, tuple[int, int]]:
+    """The reduction width K and the (A, out) piece widths a launch passes (0: one tensor): a three-piece
+    product's input gradient reads A (``a`` is its first piece), its forward writes the output in pieces."""
+    if not parts:
+        return a.shape[1], (0, 0)
+    if forward:
+        return a.shape[1], (0, out_width // parts)
+    return a.shape[1] * parts, (a.shape[1], 0)
+
+
+def _piece_ptrs(widths: tuple[int, int], a: Tensor, out: Tensor, pieces) -> tuple:
+    """The pointers of A's pieces 1, 2 and out's (0 where one tensor), and the tensors they point into (kept
+    alive by the caller until the launch): pieces = (a1, a2, out1, out2), of the first piece's shape and strides
+    (A's pieces as the kernels read a row-major operand, :func:`_rows16`)."""
+    if widths == (0, 0):
+        return (0, 0, 0, 0), ()
+    first, mine = (a, [_rows16(p) for p in pieces[:2]]) if widths[0] else (out, pieces[2:4])
+    if len(pieces) != 4 or any(p.shape != first.shape or p.stride() != first.stride() or p.dtype != first.dtype
+                               or p.data_ptr() % 16 for p in mine):
+        raise ValueError("a three-piece product's pieces must have the first piece's shape, strides and dtype, "
+                         "16-byte aligned")
+    ptrs = [p.data_ptr() for p in mine]
+    return ((*ptrs, 0, 0) if widths[0] else (0, 0, *ptrs)), mine
 
 
 def _epilogue_ptrs(epi: int, out: Tensor, aux: Tensor | None, out2: Tensor | None) -> tuple[int, int]:
@@ -174,11 +204,12 @@ def ks_candidates(a: Tensor, block: int, k: int) -> list[CudaKsConfig]:
 class CudaKsPlan:
     """One launch of ``bs_dds_ks`` (called like the other dense x block-sparse plans)."""
 
-    __slots__ = ("fn", "tables", "t", "k", "cfg", "trans", "has_bias", "grid_y", "out_width", "epi")
+    __slots__ = ("fn", "tables", "t", "k", "cfg", "trans", "has_bias", "grid_y", "out_width", "epi", "widths")
     stable = True
     native_epilogue = True
 
-    def __init__(self, a: Tensor, meta, cfg: CudaKsConfig, forward: bool, has_bias: bool, epi: int = 0):
+    def __init__(self, a: Tensor, meta, cfg: CudaKsConfig, forward: bool, has_bias: bool, epi: int = 0,
+                 parts: int = 0):
         so = _lib(a.device)
         if so is None:
             raise RuntimeError("the CUDA kernel bs_dds is unavailable here")
@@ -187,20 +218,21 @@ class CudaKsPlan:
         self.tables = ks_table(meta, forward, cfg.ob, kp)
         n_out = self.tables[4]
         self.grid_y = _cdiv(_cdiv(n_out, cfg.ob), warps)
-        self.t, self.k = a.shape
         self.cfg, self.trans, self.has_bias = cfg, not forward, has_bias
         self.out_width = n_out * meta.block
+        self.t, self.k, self.widths = a.shape[0], *_piece_widths(a, self.out_width, forward, parts)
         self.epi = epi
 
     def __call__(self, a: Tensor, values: Tensor, bias: Tensor, out: Tensor, aux: Tensor | None = None,
-                 out2: Tensor | None = None) -> None:
+                 out2: Tensor | None = None, *pieces: Tensor) -> None:
         a, values, b_ptr, b_f32 = _operands(a, values, bias, self.has_bias)
         aux_ptr, out2_ptr = _epilogue_ptrs(self.epi, out, aux, out2)
+        ptrs, _alive = _piece_ptrs(self.widths, a, out, pieces)
         info, wstart, counts, n_parts, n_out = self.tables
         rc = self.fn(a.data_ptr(), values.data_ptr(), info.data_ptr(), wstart.data_ptr(), counts.data_ptr(), b_ptr,
-                     out.data_ptr(), aux_ptr, out2_ptr, self.t, self.k, a.stride(0), out.stride(0), n_parts, n_out,
-                     self.cfg.ob, self.grid_y, int(self.trans), int(a.dtype == torch.bfloat16), b_f32, self.epi,
-                     raw_stream(a.device))
+                     out.data_ptr(), aux_ptr, out2_ptr, *ptrs, self.t, self.k, a.stride(0), out.stride(0), n_parts,
+                     n_out, self.cfg.ob, self.grid_y, int(self.trans), int(a.dtype == torch.bfloat16), b_f32,
+                     self.epi, *self.widths, raw_stream(a.device))
         if rc != 0:
             raise RuntimeError(f"bs_dds_ks launch failed with code {rc} ({self.cfg})")
 
@@ -268,12 +300,14 @@ class CudaDwPlan:
         self.splits = _cdiv(self.t, self.tps)
         self.atomic = True  # the outputs are zeroed fp32: CTAs add partial sums with atomics
 
-    def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor) -> None:
+    def __call__(self, x: Tensor, dy: Tensor, dv: Tensor, db: Tensor, *more_dy: Tensor) -> None:
         x, dy = _rows16(x), _rows16(dy)
+        widths = (dy.shape[1], 0) if more_dy else (0, 0)   # dY in pieces: read as the "A" of _piece_ptrs
+        (p1, p2, _, _), _alive = _piece_ptrs(widths, dy, dy, (*more_dy, dy, dy))
         rc = self.fn(x.data_ptr(), dy.data_ptr(), self.cta.data_ptr(), self.blk.data_ptr(), dv.data_ptr(),
-                     db.data_ptr() if self.with_bias else 0, self.t, x.stride(0), dy.stride(0), self.cta.shape[0],
-                     self.splits, self.tps, self.aw, self.bw, self.tc, int(x.dtype == torch.bfloat16),
-                     raw_stream(x.device))
+                     db.data_ptr() if self.with_bias else 0, p1, p2, self.t, x.stride(0), dy.stride(0),
+                     self.cta.shape[0], self.splits, self.tps, self.aw, self.bw, self.tc,
+                     int(x.dtype == torch.bfloat16), widths[0], raw_stream(x.device))
         if rc != 0:
             raise RuntimeError(f"bs_dw launch failed with code {rc}")
 
@@ -283,8 +317,7 @@ def _candidates(p: Product) -> list:
         return []
     if p.kind == "dw":
         return dw_candidates(p.a, p.b, p.meta, p.bias)
-    k = p.a.shape[1]
-    return [*candidates(p.a, p.block, k), *ks_candidates(p.a, p.block, k)]
+    return [*candidates(p.a, p.block, p.k), *ks_candidates(p.a, p.block, p.k)]
 
 
 _DDS_PLANS = {CudaDdsConfig: CudaDdsPlan, CudaKsConfig: CudaKsPlan}
@@ -293,7 +326,7 @@ _DDS_PLANS = {CudaDdsConfig: CudaDdsPlan, CudaKsConfig: CudaKsPlan}
 def _make_plan(cfg: CudaDdsConfig | CudaKsConfig | CudaDwConfig, p: Product):
     if p.kind == "dw":
         return CudaDwPlan(p.a, p.meta, cfg, p.bias)
-    return _DDS_PLANS[type(cfg)](p.a, p.meta, cfg, p.forward, p.bias, p.epi)
+    return _DDS_PLANS[type(cfg)](p.a, p.meta, cfg, p.forward, p.bias, p.epi, p.parts)
 
 
 BACKEND = Backend("cuda", (CudaDdsConfig, CudaKsConfig, CudaDwConfig), _candidates, _make_plan)

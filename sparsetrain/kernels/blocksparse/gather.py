@@ -178,8 +178,8 @@ def _candidates(p: Product) -> list:
 def _make_plan(cfg: DdsConfig | DwConfig, p: Product) -> TritonPlan:
     T = p.a.shape[0]
     if p.kind == "dw":
-        return dw_plan(p.meta, cfg, p.bias, T, p.a.stride(), p.b.stride(0), p.a.device)
-    return dds_plan(p.meta, cfg, p.forward, p.bias, T, p.a.stride(), p.epi)
+        return dw_plan(p.meta, cfg, p.bias, T, p.a.stride(), p.b.stride(0), p.a.device, parts=p.parts)
+    return dds_plan(p.meta, cfg, p.forward, p.bias, T, p.a.stride(), p.epi, parts=p.parts)
 
 
 BACKEND = Backend("gather", (DdsConfig, DwConfig), _candidates, _make_plan)

@@ -260,30 +260,32 @@ PARTS = 3
 
 
 def parts_native(meta: BlockSparseMeta) -> bool:
-    """Whether this layer's products run with its output as :data:`PARTS` tensors without a copy: blocks that only
-    the Triton kernels serve (64, 128: the gather kernels take three pieces, tuned among their own candidates) and
-    an output of whole blocks per piece. Elsewhere the layer's output stays one tensor (the caller splits it, and
-    its backward concatenates the pieces' gradients)."""
-    return meta.block >= 64 and meta.grid[0] % PARTS == 0
+    """Whether this layer's products can run with its output as :data:`PARTS` tensors without a copy: an output
+    of whole blocks per piece (every backend but TMA takes the pieces; the tuner times those that do). Elsewhere
+    the layer's output stays one tensor (the caller splits it, and its backward concatenates the pieces'
+    gradients)."""
+    return meta.grid[0] % PARTS == 0
 
 
-def _gather_tuned(kind: str, p: Product, key: tuple, build, run):
-    """The gather config for a three-piece product: tuned among the gather candidates (``build(cfg)`` a plan,
-    ``run(plan)`` one launch, timed), the choice kept like the tuner's others."""
+def _tuned_parts(p: Product, key: tuple, run):
+    """The plan of a three-piece product: the tuner's pick among the candidates of the backends that take
+    pieces (``run(plan)`` one launch, timed), built like the other products' plans."""
     built: dict = {}
 
     def launch(cfg):
-        if cfg not in built:
-            built[cfg] = build(cfg)
-        return run(built[cfg])
+        k = tuner.config_key(cfg)
+        if k not in built:
+            built[k] = tuner.make_plan(cfg, p)
+        return run(built[k])
 
-    cfg = tuner.pick(kind, key, p.a.device, gather.BACKEND.candidates(p), launch)
-    return built.get(cfg) or build(cfg)
+    kept = set(p.meta._groups)
+    cfg = tuner.pick(p.kind, key, p.a.device, tuner.candidates(p), launch)
+    return _chosen_plan(p.meta, kept, built, cfg, p)
 
 
 def dds_parts_forward(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None) -> list[Tensor]:
     """``x [T, I] · Wᵀ + bias`` as :data:`PARTS` tensors ``[T, O / PARTS]`` (each its own allocation), written by
-    the gather kernel directly (:func:`parts_native` layers)."""
+    the kernels directly (:func:`parts_native` layers)."""
     T, width, has_bias = x.shape[0], meta.out_features // PARTS, bias is not None
     outs = [torch.empty(T, width, dtype=x.dtype, device=x.device) for _ in range(PARTS)]
     if T == 0:
@@ -300,11 +302,9 @@ def dds_parts_forward(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Te
         return tuple(outs)
 
     if plan is None:
-        p = Product("fwd", meta, x, values, has_bias)
         key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
                values.dtype, has_bias, PARTS)
-        plan = _gather_tuned("fwd", p, key, lambda cfg: gather.dds_plan(
-            meta, cfg, True, has_bias, T, x.stride(), parts=PARTS), run)
+        plan = _tuned_parts(Product("fwd", meta, x, values, has_bias, parts=PARTS), key, run)
         if _may_cache(x.device):
             _keep_plan(meta, pkey, plan)
     run(plan)
@@ -313,7 +313,7 @@ def dds_parts_forward(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Te
 
 def dds_parts_dx(dys: list[Tensor], values: Tensor, meta: BlockSparseMeta) -> Tensor:
     """``dY · W`` with dY given as :data:`PARTS` tensors ``[T, O / PARTS]`` of one row stride (the gradients of
-    :func:`dds_parts_forward`'s outputs), read in place by the gather kernel: ``dx [T, I]``."""
+    :func:`dds_parts_forward`'s outputs), read in place by the kernels: ``dx [T, I]``."""
     d0 = dys[0]
     T = d0.shape[0]
     dx = torch.empty(T, meta.in_features, dtype=d0.dtype, device=d0.device)
@@ -330,11 +330,9 @@ def dds_parts_dx(dys: list[Tensor], values: Tensor, meta: BlockSparseMeta) -> Te
         return dx
 
     if plan is None:
-        p = Product("dx", meta, d0, values, False)
         key = (meta.block, _pow2(T), meta.out_features, meta.in_features, tuner.density_bucket(meta), d0.dtype,
                values.dtype, False, PARTS)
-        plan = _gather_tuned("dx", p, key, lambda cfg: gather.dds_plan(
-            meta, cfg, False, False, T, d0.stride(), parts=PARTS), run)
+        plan = _tuned_parts(Product("dx", meta, d0, values, False, parts=PARTS), key, run)
         if _may_cache(d0.device):
             _keep_plan(meta, pkey, plan)
     return run(plan)
@@ -355,13 +353,10 @@ def sampled_grad_parts(x: Tensor, dys: list[Tensor], meta: BlockSparseMeta, with
         return tuple(result)
 
     if plan is None:
-        p = Product("dw", meta, x, d0, with_bias)
         key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
                out_dtype, with_bias, PARTS)
-        plan = _gather_tuned("dw", p, key, lambda cfg: gather.dw_plan(
-            meta, cfg, with_bias, T, x.stride(), d0.stride(0), x.device, parts=PARTS), run)
+        plan = _tuned_parts(Product("dw", meta, x, d0, with_bias, parts=PARTS), key, run)
         if T > 0 and _may_cache(x.device):
             _keep_plan(meta, pkey, plan)
     run(plan)
     return result[0], result[1]
-

@@ -226,6 +226,8 @@ class DwPlan(_WithFallback):
 
 
 def _candidates(p: Product) -> list:
+    if p.parts:   # the tensor descriptors describe one tensor
+        return []
     if p.kind == "dw":
         ok = rows_ok(p.a) and rows_ok(p.b) and _hopper(p.a)
         return list(DW_CANDIDATES.get(p.block, [])) if ok else []

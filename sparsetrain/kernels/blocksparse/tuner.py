@@ -18,7 +18,9 @@ backend is a config type, two functions and one call::
 
 A plan for ``fwd``/``dx`` is called ``plan(a, values, bias_or_a, out)`` and has ``out_width`` (the output's
 columns); one for ``dw`` is called ``plan(x, dy, dvalues, dbias_or_dvalues)`` and has ``atomic`` (True: the
-outputs are zero-filled float32 and the plan adds partial sums into them). A plan must not keep the tensors
+outputs are zero-filled float32 and the plan adds partial sums into them). A plan for a product with
+``parts`` (a three-piece layer) takes the other pieces after those: ``plan(a, values, bias, out, aux, out2,
+a1, a2, out1, out2)`` (fwd and dx; ``aux``/``out2`` unused) and ``plan(x, dy, dvalues, dbias, dy1, dy2)``. A plan must not keep the tensors
 of the call that built it: it lives as long as the topology.
 """
 from __future__ import annotations
@@ -52,10 +54,18 @@ class Product:
     b: Tensor  # fwd and dx: values [n_blocks, B, B]; dw: dY [T, O]
     bias: bool  # fwd: a bias is added; dw: the bias gradient is fused; dx: always False
     epi: int = 0  # fwd and dx: the epilogue (sparsetrain.kernels.blocksparse.epilogue), 0 for none
+    #: 3: the layer's output is three tensors of equal width (plans.PARTS): fwd writes them, dx and dw read dY as
+    #: three pieces (``a``, resp. ``b``, is the first); 0: one tensor. A backend that cannot offers no candidate.
+    parts: int = 0
 
     @property
     def forward(self) -> bool:
         return self.kind == "fwd"
+
+    @property
+    def k(self) -> int:
+        """fwd and dx: the reduction width (the dense operand's columns, every piece counted)."""
+        return self.a.shape[1] * (self.parts if self.parts and self.kind == "dx" else 1)
 
     @property
     def block(self) -> int:

@@ -277,13 +277,15 @@ def test_gpu_tuning_never_chooses_a_fast_wrong_candidate():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b", [64, 128])
-def test_gpu_three_piece_products_every_gather_candidate(b, poison):
+@pytest.mark.parametrize("b", [16, 32, 64, 128])
+def test_gpu_three_piece_products_every_candidate(b, poison):
     """A fused query/key/value projection's products in three pieces (forward writing q, k, v; input and weight
-    gradients reading dq, dk, dv in place), bf16 at BERT-base's shape, every gather candidate against the fp32
-    reference on the concatenated tensors; then the custom ops compiled by inductor against the split output."""
+    gradients reading dq, dk, dv in place), bf16 at BERT-base's shape, every candidate the backends offer for
+    them (CUDA at 16/32, gather, the dense fallback's three GEMMs; no TMA) against the fp32 reference on the
+    concatenated tensors; then the custom ops compiled by inductor against the split output."""
     torch.backends.cuda.matmul.allow_tf32 = False
     from sparsetrain.kernels.blocksparse.op import block_sparse_linear_parts
+    from sparsetrain.kernels.blocksparse.tuner import Product
 
     I, O, T = 768, 3 * 768, 4096 + 37
     gen = torch.Generator().manual_seed(b)
@@ -300,19 +302,23 @@ def test_gpu_three_piece_products_every_gather_candidate(b, poison):
     w = values_to_dense(v32, meta)
     y_ref = x32 @ w.t() + bias.float()
     _, dv_ref, db_ref = reference_grads(x32, dy32, v32, meta)
-    for c in gather.DDS_CANDIDATES[b]:
+    backends = set()
+    p_fwd = Product("fwd", meta, x, values, True, parts=3)
+    for c in tuner.candidates(p_fwd):
+        backends.add(tuner.backend_of(c).name)
         outs = [torch.full((T, O // 3), float("nan"), device="cuda", dtype=dt) for _ in range(3)]
-        gather.dds_plan(meta, c, True, True, T, x.stride(), parts=3)(
-            x, values, bias, outs[0], outs[0], outs[0], x, x, outs[1], outs[2])
+        tuner.make_plan(c, p_fwd)(x, values, bias, outs[0], outs[0], outs[0], x, x, outs[1], outs[2])
         assert rel(torch.cat(outs, 1), y_ref) < 1e-2, c
+    p_dx = Product("dx", meta, dys[0], values, False, parts=3)
+    for c in tuner.candidates(p_dx):
         dx = torch.full((T, I), float("nan"), device="cuda", dtype=dt)
-        gather.dds_plan(meta, c, False, False, T, dys[0].stride(), parts=3)(
-            dys[0], values, dys[0], dx, dx, dx, dys[1], dys[2], dx, dx)
+        tuner.make_plan(c, p_dx)(dys[0], values, dys[0], dx, dx, dx, dys[1], dys[2], dx, dx)
         assert rel(dx, dy32 @ w) < 1e-2, c
-    for c in gather.DW_CANDIDATES[b]:
-        plan = gather.dw_plan(meta, c, True, T, x.stride(), dys[0].stride(0), x.device, parts=3)
-        dv, db = plans.run_dw(plan, x, dys[0], meta, True, torch.float32, dys[1:])
+    p_dw = Product("dw", meta, x, dys[0], True, parts=3)
+    for c in tuner.candidates(p_dw):
+        dv, db = plans.run_dw(tuner.make_plan(c, p_dw), x, dys[0], meta, True, torch.float32, dys[1:])
         assert rel(dv, dv_ref) < 1e-2 and rel(db, db_ref) < 1e-2, c
+    assert "tma" not in backends and {"gather", "dense"} <= backends and (b > 32 or "cuda" in backends)
 
     xs = x.view(1, T, I).detach().requires_grad_()
     vs = values.float().requires_grad_()

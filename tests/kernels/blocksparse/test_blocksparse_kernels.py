@@ -412,7 +412,7 @@ def test_three_piece_products_through_the_plans(dtype, poison):
     gen = torch.Generator().manual_seed(7)
     b, T, I, O = 64, 21, 128, 3 * 128
     meta = BlockSparseMeta.from_mask(make_mask("random", (O // b, I // b), gen), b)
-    assert plans.parts_native(meta) and not plans.parts_native(BlockSparseMeta.from_mask(torch.ones(3, 2, dtype=torch.bool), 16))
+    assert plans.parts_native(meta) and not plans.parts_native(BlockSparseMeta.from_mask(torch.ones(4, 2, dtype=torch.bool), 16))
     values = torch.randn(meta.n_blocks, b, b, generator=gen).to(dtype)
     bias = torch.randn(O, generator=gen).to(dtype)
     w = values_to_dense(values.double(), meta)
@@ -431,18 +431,18 @@ def test_three_piece_products_through_the_plans(dtype, poison):
     assert len(kept) == 3
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_block_sparse_linear_parts_matches_the_split_output(compiled, poison):
-    """block_sparse_linear_parts (a fused q/k/v projection at 64x64 blocks, float32 master values under the
-    interpreter): the same three outputs as block_sparse_linear's output split, and the same gradients, eager
-    and as the custom ops under torch.compile, with a loss that weighs the pieces differently; one piece unused
-    (its gradient zero). Elsewhere (16x16 blocks) it is the split output itself."""
+@pytest.mark.parametrize("compiled,b", [(False, 64), (True, 64), (False, 16)])
+def test_block_sparse_linear_parts_matches_the_split_output(compiled, b, poison, monkeypatch):
+    """block_sparse_linear_parts (a fused q/k/v projection, float32 master values under the interpreter): the
+    same three outputs as block_sparse_linear's output split, and the same gradients, eager and as the custom
+    ops under torch.compile, with a loss that weighs the pieces differently; one piece unused (its gradient
+    zero). Off the kernels (the model on plain CPU tensors) it is the split output itself."""
     import torch._dynamo
 
     from sparsetrain.kernels.blocksparse.op import block_sparse_linear_parts, parts_native_for
 
     gen = torch.Generator().manual_seed(11)
-    b, I, O = 64, 128, 3 * 128
+    I, O = 128, 3 * 128
     meta = BlockSparseMeta.from_mask(make_mask("random", (O // b, I // b), gen), b)
     values = torch.randn(meta.n_blocks, b, b, generator=gen, requires_grad=True)
     bias = torch.randn(O, generator=gen, requires_grad=True)
@@ -471,8 +471,43 @@ def test_block_sparse_linear_parts_matches_the_split_output(compiled, poison):
         for got, want in zip([*got_out, *got_grads], [*want_out, *want_grads], strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()
-    small = BlockSparseMeta.from_mask(make_mask("random", (O // 16, I // 16), gen), 16)
-    assert not parts_native_for(x, small)
-    v16 = torch.randn(small.n_blocks, 16, 16, generator=gen)
-    out = block_sparse_linear_parts(x, v16, small, bias)
-    torch.testing.assert_close(torch.cat(out, -1), block_sparse_linear(x, v16, small, bias))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")   # plain CPU tensors: the reference path
+    assert not parts_native_for(x, meta)
+    out = block_sparse_linear_parts(x, values, meta, bias)
+    assert out[0]._base is not None      # views of one output
+    torch.testing.assert_close(torch.cat(out, -1), block_sparse_linear(x, values, meta, bias))
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_dense_fallback_in_three_pieces(with_bias):
+    """The dense fallback's plans for a three-piece product (three GEMMs, one per piece, on CPU float32 here):
+    forward into three outputs, input gradient accumulated from three dY pieces, weight and bias gradients from
+    them, against the product on the concatenated tensors; Product.k counts every piece of dX's operand."""
+    from sparsetrain.kernels.blocksparse import dense
+    from sparsetrain.kernels.blocksparse.tuner import Product
+
+    gen = torch.Generator().manual_seed(5)
+    b, T, I, O = 16, 29, 64, 3 * 32
+    meta = BlockSparseMeta.from_mask(make_mask("random", (O // b, I // b), gen), b)
+    values = torch.randn(meta.n_blocks, b, b, generator=gen)
+    bias = torch.randn(O, generator=gen)
+    w = values_to_dense(values.double(), meta)
+    x = torch.randn(T, I, generator=gen)
+    dys = [torch.randn(T, O // 3, generator=gen) for _ in range(3)]
+    fwd = dense.BACKEND.make_plan(dense.DenseConfig(), Product("fwd", meta, x, values, with_bias, parts=3))
+    outs = [torch.full((T, O // 3), float("nan")) for _ in range(3)]
+    fwd(x, values, bias if with_bias else x, outs[0], outs[0], outs[0], x, x, outs[1], outs[2])
+    want = x.double() @ w.t() + (bias.double() if with_bias else 0)
+    assert rel(torch.cat(outs, 1), want) < 1e-5
+    p_dx = Product("dx", meta, dys[0], values, False, parts=3)
+    assert p_dx.k == O and Product("fwd", meta, x, values, False, parts=3).k == I
+    dx = torch.full((T, I), float("nan"))
+    dense.BACKEND.make_plan(dense.DenseConfig(), p_dx)(dys[0], values, dys[0], dx, dx, dx, dys[1], dys[2], dx, dx)
+    assert rel(dx, torch.cat(dys, 1).double() @ w) < 1e-5
+    dw = dense.BACKEND.make_plan(dense.DenseConfig(), Product("dw", meta, x, dys[0], with_bias, parts=3))
+    dv, db = torch.full_like(values, float("nan")), torch.full((O,), float("nan"))
+    dw(x, dys[0], dv, db if with_bias else dv, dys[1], dys[2])
+    _, dv_ref, db_ref = reference_grads(x.double(), torch.cat(dys, 1).double(), values.double(), meta)
+    assert rel(dv, dv_ref) < 1e-5
+    if with_bias:
+        assert rel(db, db_ref) < 1e-5

@@ -1,4 +1,4 @@
-// Device helpers shared by sparsetrain's CUDA kernels (spmm/csrc/spmm_bitmap.cu, spmm_csl.cu, spmm_pair.cu).
+// Device helpers shared by sparsetrain's CUDA kernels (spmm/csrc/*.cu, blocksparse/csrc/*.cu).
 #pragma once
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
@@ -45,6 +45,28 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 }
+
+// An operand given as three tensors of `width` columns each and one row stride (a fused query/key/value
+// projection: its forward writes q, k and v, its backward reads their gradients where attention wrote them);
+// width 0: one tensor. Column c of the whole operand is column c - p * width of piece p.
+struct Pieces {
+  const uint16_t* p1;
+  const uint16_t* p2;
+  int width;
+  // the address of (row, col) of the whole operand whose piece 0 is `base` (row stride ld)
+  __device__ __forceinline__ const uint16_t* at(const uint16_t* base, long long row, int ld, int col) const {
+    if (width) {
+      if (col >= 2 * width) {
+        base = p2;
+        col -= 2 * width;
+      } else if (col >= width) {
+        base = p1;
+        col -= width;
+      }
+    }
+    return base + row * ld + col;
+  }
+};
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v);

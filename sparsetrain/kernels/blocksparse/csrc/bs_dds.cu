@@ -22,6 +22,27 @@
 namespace {
 using namespace sparsetrain;
 
+// out in three tensors (Pieces, common.cuh, for an output): the piece holding output column col (piece 0:
+// `base`), col made relative to it
+struct OutPieces {
+  uint16_t* p1;
+  uint16_t* p2;
+  int width;
+  __device__ __forceinline__ uint16_t* select(uint16_t* base, int& col) const {
+    if (width) {
+      if (col >= 2 * width) {
+        col -= 2 * width;
+        return p2;
+      }
+      if (col >= width) {
+        col -= width;
+        return p1;
+      }
+    }
+    return base;
+  }
+};
+
 struct Args {
   const uint16_t* a;       // [T, K], row stride sa (halves), 16-byte aligned, sa % 8 == 0
   const uint16_t* values;  // [n_blocks, BLK, BLK], 16-byte aligned
@@ -32,6 +53,8 @@ struct Args {
   uint16_t* out;           // [T, n_out * BLK], row stride so
   const uint16_t* aux;     // epilogue 2: GELU's input, as out (row stride so); else null
   uint16_t* out2;          // epilogues 1, 2: GELU's output, as out; else null
+  Pieces pa;               // A in three tensors (the input gradient of a fused q/k/v projection), or one
+  OutPieces po;            // out in three tensors (its forward), or one
   int t, k, sa, so, bias_f32, epi;
 };
 
@@ -110,7 +133,8 @@ __device__ __forceinline__ void epilogue8(uint4& v, uint4 p, uint4& g, int epi) 
   }
 }
 
-// Writes one warp's finished [16 * MT tokens x BLK] output tile (+ bias) and zeroes its accumulators: fragments
+// Writes one warp's finished [16 * MT tokens x BLK] output tile (+ bias of columns col0..; at column ocol of
+// `out`, which differs from col0 where the output is in pieces) and zeroes its accumulators: fragments
 // into the warp's shared-memory staging tile (rows BLK + 8 halves apart: conflict-free), then 16-byte stores of
 // whole rows, rows past T skipped; an epilogue (EPI: epi > 0, epilogue8) works on the 16-byte rows as they are
 // stored. EPI is a template argument so the plain kernels carry no epilogue code (behind a runtime flag the
@@ -118,7 +142,7 @@ __device__ __forceinline__ void epilogue8(uint4& v, uint4 p, uint4& g, int epi) 
 template <int BLK, int MT, bool BF16, bool EPI>
 __device__ __forceinline__ void store_block(float (&acc)[MT][BLK / 8][4], uint16_t* ostage, const void* bias,
                                             int bias_f32, uint16_t* out, int so, int t, int t0, int col0,
-                                            const uint16_t* aux, uint16_t* out2, int epi) {
+                                            int ocol, const uint16_t* aux, uint16_t* out2, int epi) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   constexpr int OS = BLK + 8, RCH = BLK / 8;  // staged row stride (halves), 16-byte chunks per row
   const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
@@ -151,7 +175,7 @@ __device__ __forceinline__ void store_block(float (&acc)[MT][BLK / 8][4], uint16
   auto row = [&](int i) {
     const int c = lane + 32 * i, r = c / RCH, cc = c % RCH;
     if (t0 + r < t) {
-      const long long o = static_cast<long long>(t0 + r) * so + col0 + 8 * cc;
+      const long long o = static_cast<long long>(t0 + r) * so + ocol + 8 * cc;
       uint4 v = *reinterpret_cast<const uint4*>(ostage + r * OS + 8 * cc);
       if constexpr (EPI) {
         uint4 g;
@@ -208,8 +232,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
     for (int r = threadIdx.x / cpr, cc = threadIdx.x - (threadIdx.x / cpr) * cpr; r < TM; r += dr) {
       const int col = cc * 8;
       const bool ok = t0 + r < a.t;
-      cp_async16(xs + r * xs_stride + col, a.a + (ok ? static_cast<long long>(t0 + r) * a.sa + col : 0),
-                 ok ? 16 : 0);
+      cp_async16(xs + r * xs_stride + col, ok ? a.pa.at(a.a, t0 + r, a.sa, col) : a.a, ok ? 16 : 0);
       cc += dc;
       if (cc >= cpr) {
         cc -= cpr;
@@ -322,9 +345,12 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
     }
     __syncwarp();  // every lane is done with this stage before a later issue() overwrites it
 
-    if (inf.w)  // the output block is complete
-      store_block<BLK, MT, BF16, EPI>(acc, ostage, a.bias, a.bias_f32, a.out, a.so, a.t, t0, inf.z, a.aux,
+    if (inf.w) {  // the output block is complete
+      int ocol = inf.z;
+      uint16_t* out = a.po.select(a.out, ocol);
+      store_block<BLK, MT, BF16, EPI>(acc, ostage, a.bias, a.bias_f32, out, a.so, a.t, t0, inf.z, ocol, a.aux,
                                       a.out2, a.epi);
+    }
   }
   cp_async_wait<0>();
 }
@@ -392,6 +418,8 @@ struct KsArgs {
   uint16_t* out;           // [T, n_out * 16], row stride so
   const uint16_t* aux;     // the epilogue's operands, as in Args
   uint16_t* out2;
+  Pieces pa;               // as in Args
+  OutPieces po;
   int t, k, sa, so, bias_f32, n_parts, n_out, epi;
 };
 
@@ -432,7 +460,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
     for (int i = 0; i < PER; ++i) {
       const int c = threadIdx.x + i * WARPS * 32, r = c / CPR, kc = p * KP + (c % CPR) * 8;
       areg[i] = (p < a.n_parts && t0 + r < a.t && kc < a.k)
-                    ? __ldg(reinterpret_cast<const uint4*>(a.a + static_cast<long long>(t0 + r) * a.sa + kc))
+                    ? __ldg(reinterpret_cast<const uint4*>(a.pa.at(a.a, t0 + r, a.sa, kc)))
                     : make_uint4(0, 0, 0, 0);
     }
   };
@@ -527,7 +555,9 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
 #pragma unroll
   for (int j = 0; j < OB; ++j) {
     if (ob0 + j >= a.n_out) break;
-    store_block<16, MT, BF16, EPI>(acc[j], ostage, a.bias, a.bias_f32, a.out, a.so, a.t, t0, (ob0 + j) * 16,
+    int ocol = (ob0 + j) * 16;
+    uint16_t* out = a.po.select(a.out, ocol);
+    store_block<16, MT, BF16, EPI>(acc[j], ostage, a.bias, a.bias_f32, out, a.so, a.t, t0, (ob0 + j) * 16, ocol,
                                    a.aux, a.out2, a.epi);
   }
 }
@@ -553,6 +583,19 @@ int launch_ks(const KsArgs& a, int grid_y, cudaStream_t stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
+// Checks and fills the pieces of A (a1, a2: pieces 1 and 2, apw their width, K = 3 apw; 0: one tensor) and of
+// out (o1, o2, opw): 16-byte aligned, whole blocks of `blk` columns, no epilogue beside them. False: refused.
+bool set_pieces(Pieces& pa, OutPieces& po, long long a1, long long a2, long long o1, long long o2, int apw, int opw,
+                int k, int blk, int epi) {
+  pa = Pieces{reinterpret_cast<const uint16_t*>(a1), reinterpret_cast<const uint16_t*>(a2), apw};
+  po = OutPieces{reinterpret_cast<uint16_t*>(o1), reinterpret_cast<uint16_t*>(o2), opw};
+  for (int w : {apw, opw})
+    if (w < 0 || (w % blk)) return false;
+  if (apw && (k != 3 * apw || (a1 & 15) || (a2 & 15) || !a1 || !a2)) return false;
+  if (opw && ((o1 & 15) || (o2 & 15) || !o1 || !o2 || epi)) return false;
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -571,10 +614,12 @@ int sparsetrain_bs_dds_smem(int blk, int mt, int half, int k) {
 
 // Returns 0 on success, a cudaError_t code otherwise, -1 for arguments this kernel does not take.
 // epi: 0 none, 1 GELU after the product (out2 = gelu(out)), 2 GELU's derivative (out *= gelu'(aux), out2 =
-// gelu(aux)); aux and out2 have out's row stride (bs_dds_ks: the same).
+// gelu(aux)); aux and out2 have out's row stride (bs_dds_ks: the same). a1, a2, o1, o2, apw, opw: A or out in
+// three pieces (set_pieces); every piece has the row stride sa (A) or so (out).
 int sparsetrain_bs_dds(long long a_ptr, long long values, long long info, long long wbound, long long bias,
-                       long long out, long long aux, long long out2, int t, int k, int sa, int so, int blk, int mt,
-                       int half, int grid_y, int trans, int bf16, int bias_f32, int epi, long long stream) {
+                       long long out, long long aux, long long out2, long long a1, long long a2, long long o1,
+                       long long o2, int t, int k, int sa, int so, int blk, int mt, int half, int grid_y, int trans,
+                       int bf16, int bias_f32, int epi, int apw, int opw, long long stream) {
   if (t < 1 || k < blk || (k % blk) || (sa & 7) || (so & 7) || (a_ptr & 15) || (values & 15) || (out & 15) ||
       (info & 15) || grid_y < 1 || epi < 0 || epi > 2 || (epi && (out2 & 15)) || (epi == 2 && (aux & 15)))
     return -1;
@@ -588,6 +633,7 @@ int sparsetrain_bs_dds(long long a_ptr, long long values, long long info, long l
   a.aux = reinterpret_cast<const uint16_t*>(aux);
   a.out2 = reinterpret_cast<uint16_t*>(out2);
   a.t = t; a.k = k; a.sa = sa; a.so = so; a.bias_f32 = bias_f32; a.epi = epi;
+  if (!set_pieces(a.pa, a.po, a1, a2, o1, o2, apw, opw, k, blk, epi)) return -1;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   return with_tile(blk, mt, half, [&]<int B, int MT, bool H>() {
     constexpr int W = Shape<B, H>::WARPS, S = Shape<B, H>::S;
@@ -608,8 +654,9 @@ int sparsetrain_bs_dds_ks_shape(int ob, int* tm, int* warps, int* kp) {
 }
 
 int sparsetrain_bs_dds_ks(long long a_ptr, long long values, long long info, long long wstart, long long counts,
-                          long long bias, long long out, long long aux, long long out2, int t, int k, int sa, int so,
-                          int n_parts, int n_out, int ob, int grid_y, int trans, int bf16, int bias_f32, int epi,
+                          long long bias, long long out, long long aux, long long out2, long long a1, long long a2,
+                          long long o1, long long o2, int t, int k, int sa, int so, int n_parts, int n_out, int ob,
+                          int grid_y, int trans, int bf16, int bias_f32, int epi, int apw, int opw,
                           long long stream) {
   if (t < 1 || (k & 15) || (sa & 7) || (so & 7) || (a_ptr & 15) || (values & 15) || (out & 15) || (info & 7) ||
       grid_y < 1 || n_parts < 1 || n_parts * KS_KP < k || epi < 0 || epi > 2 || (epi && (out2 & 15)) ||
@@ -627,6 +674,7 @@ int sparsetrain_bs_dds_ks(long long a_ptr, long long values, long long info, lon
   a.out2 = reinterpret_cast<uint16_t*>(out2);
   a.t = t; a.k = k; a.sa = sa; a.so = so; a.bias_f32 = bias_f32; a.n_parts = n_parts; a.n_out = n_out;
   a.epi = epi;
+  if (!set_pieces(a.pa, a.po, a1, a2, o1, o2, apw, opw, k, 16, epi)) return -1;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   auto go = [&]<int OB>() {
     if (trans) return bf16 ? launch_ks<OB, true, true>(a, grid_y, s) : launch_ks<OB, true, false>(a, grid_y, s);

@@ -34,6 +34,7 @@ struct DwArgs {
   const int4* blk;     // per block in order: slot, A offset (halves), B offset (halves), 0
   float* dv;           // [n_blocks, 16, 16] fp32, zeroed
   float* db;           // [O] fp32, zeroed, or null
+  Pieces pdy;          // dY in three tensors of row stride sdy (a fused q/k/v projection's gradients), or one
   int t, sx, sdy, tokens_per_split, a_stride, b_stride;  // strides of the staged rows (halves)
 };
 
@@ -67,14 +68,14 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
   // i = threadIdx.x + k * NT of the row-major [TC, cpr] grid. They are walked by adding NT as (rows, columns)
   // with a carry, so the copy loop has no integer division per copy.
   constexpr int NT = WARPS * 32;
-  auto stage = [&](uint16_t* dst, int dst_stride, const uint16_t* src, int ld, int col0, int cpr, int row0) {
+  auto stage = [&](uint16_t* dst, int dst_stride, const uint16_t* src, const Pieces& pc, int ld, int col0, int cpr,
+                   int row0) {
     if (cpr == 0) return;
     const int dr = NT / cpr, dc = NT - dr * cpr;  // (recomputed per chunk: registers are the scarce thing)
     int r = threadIdx.x / cpr, cc = threadIdx.x - r * cpr;
     for (; r < TC; r += dr) {
       const bool ok = row0 + r < te;
-      cp_async16(dst + r * dst_stride + cc * 8,
-                 src + (ok ? static_cast<long long>(row0 + r) * ld + col0 + cc * 8 : 0), ok ? 16 : 0);
+      cp_async16(dst + r * dst_stride + cc * 8, ok ? pc.at(src, row0 + r, ld, col0 + cc * 8) : src, ok ? 16 : 0);
       cc += dc;
       if (cc >= cpr) {
         cc -= cpr;
@@ -85,8 +86,8 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
   auto load = [&](int ch, int st) {  // token chunk ch: dY[:, a range] then X[:, b range], rows past te zero
     uint16_t* as = smem + st * stage_halves;
     const int row0 = ts + ch * TC;
-    stage(as, a.a_stride, a.dy, a.sdy, c.a_col0, c.a_ncols >> 3, row0);
-    stage(as + TC * a.a_stride, a.b_stride, a.x, a.sx, c.b_col0, c.b_ncols >> 3, row0);
+    stage(as, a.a_stride, a.dy, a.pdy, a.sdy, c.a_col0, c.a_ncols >> 3, row0);
+    stage(as + TC * a.a_stride, a.b_stride, a.x, Pieces{nullptr, nullptr, 0}, a.sx, c.b_col0, c.b_ncols >> 3, row0);
     cp_async_commit();
   };
 
@@ -242,12 +243,14 @@ int sparsetrain_bs_dw_cap(int* warps) {
 }
 
 // Returns 0 on success, a cudaError_t code otherwise, -1 for arguments this kernel does not take.
-// a_width / b_width: the widest staged A (dY) and B (X) column ranges of any CTA (multiples of 8).
-int sparsetrain_bs_dw(long long x, long long dy, long long cta, long long blk, long long dv, long long db, int t,
-                      int sx, int sdy, int n_cta, int splits, int tokens_per_split, int a_width, int b_width,
-                      int tc, int bf16, long long stream) {
+// a_width / b_width: the widest staged A (dY) and B (X) column ranges of any CTA (multiples of 8). dy1, dy2,
+// dyw: dY's pieces 1 and 2 and their width (columns, a multiple of 16; 0: dY is one tensor).
+int sparsetrain_bs_dw(long long x, long long dy, long long cta, long long blk, long long dv, long long db,
+                      long long dy1, long long dy2, int t, int sx, int sdy, int n_cta, int splits,
+                      int tokens_per_split, int a_width, int b_width, int tc, int bf16, int dyw, long long stream) {
   if (t < 1 || (sx & 7) || (sdy & 7) || (x & 15) || (dy & 15) || (a_width & 7) || (b_width & 7) || n_cta < 1 ||
-      splits < 1 || (db & 7) || (dv & 7))
+      splits < 1 || (db & 7) || (dv & 7) || dyw < 0 || (dyw & 15) ||
+      (dyw && (!dy1 || !dy2 || (dy1 & 15) || (dy2 & 15))))
     return -1;
   DwArgs a;
   a.x = reinterpret_cast<const uint16_t*>(x);
@@ -256,6 +259,7 @@ int sparsetrain_bs_dw(long long x, long long dy, long long cta, long long blk, l
   a.blk = reinterpret_cast<const int4*>(blk);
   a.dv = reinterpret_cast<float*>(dv);
   a.db = reinterpret_cast<float*>(db);
+  a.pdy = Pieces{reinterpret_cast<const uint16_t*>(dy1), reinterpret_cast<const uint16_t*>(dy2), dyw};
   a.t = t; a.sx = sx; a.sdy = sdy; a.tokens_per_split = tokens_per_split;
   a.a_stride = a_width + 8;  // +16 bytes per row: the 8 rows of an ldmatrix fall in distinct banks
   a.b_stride = b_width + 8;
