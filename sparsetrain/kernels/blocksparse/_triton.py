@@ -99,7 +99,7 @@ def dense_x_blocksparse_kernel(
             ok = slot >= 0
             # [BLOCK_T, GROUP_K, BLOCK] strip of A: GROUP_K gathered column blocks, each BLOCK contiguous.
             if A_PARTS:
-                a_base, kb = _piece(a_ptr, a1_ptr, a2_ptr, kb, A_PARTS)
+                a_base, kb = _pieces(a_ptr, a1_ptr, a2_ptr, kb, A_PARTS)
                 a_base = a_base[None, :, None]
             else:
                 a_base = a_ptr
@@ -143,6 +143,14 @@ def _piece(p0, p1, p2, blk, PARTS: tl.constexpr):
         part = blk // PARTS
         return tl.where(part == 0, p0, tl.where(part == 1, p1, p2)), blk - part * PARTS
     return p0, blk
+
+
+@triton.jit
+def _pieces(p0, p1, p2, blks, PARTS: tl.constexpr):
+    """:func:`_piece` for a vector of column blocks: a vector of base pointers (``PARTS`` > 0)."""
+    part = blks // PARTS
+    z = part * 0   # the pointers broadcast to the vector's shape: tl.where takes no scalar pointer with them
+    return tl.where(part == 0, p0 + z, tl.where(part == 1, p1 + z, p2 + z)), blks - part * PARTS
 
 
 @triton.jit
