@@ -159,6 +159,7 @@ def build_model(
     attn_implementation: str = "eager",
     task: str = "mlm",
     fused_qkv: bool = False,
+    fp32_residual: bool = True,
     **overrides: Any,
 ):
     """Build a randomly initialised BERT (masked LM) or ViT (image classifier), or load a pretrained one.
@@ -169,16 +170,18 @@ def build_model(
     ``AutoModelForMaskedLM`` (``task="mlm"``) or ``AutoModelForImageClassification``
     (``task="image-classification"``, head resized to ``num_labels``). ``fused_qkv=True`` gives each attention
     one query/key/value projection (:mod:`sparsetrain.models.fused_qkv`: the same function, fewer and larger
-    products; the sparsity layer sees one layer there).
+    products; the sparsity layer sees one layer there). ``fp32_residual=False`` makes the LayerNorms return the
+    autocast dtype, so the residual stream is 16-bit under mixed precision (:mod:`sparsetrain.models.norms`).
 
     >>> model = build_model("bert", "tiny", vocab_size=1000, seq_len=64)
     >>> model.config.num_hidden_layers, model.config.hidden_size
     (2, 128)
     """
-    check_model_args(arch, size, name_or_path=name_or_path, task=task, fused_qkv=fused_qkv)
+    check_model_args(arch, size, name_or_path=name_or_path, task=task, fused_qkv=fused_qkv,
+                     fp32_residual=fp32_residual)
     if arch == "hf":
         model = _load_pretrained(name_or_path, task, num_labels, attn_implementation, overrides)
-        return _fused(model, fused_qkv)
+        return _fused(model, fused_qkv, fp32_residual)
 
     config = build_config(
         arch,
@@ -200,17 +203,20 @@ def build_model(
         from transformers import ViTForImageClassification
 
         model = ViTForImageClassification(config)
-    return _fused(model, fused_qkv)
+    return _fused(model, fused_qkv, fp32_residual)
 
 
-def _fused(model, fused_qkv: bool):
+def _fused(model, fused_qkv: bool, fp32_residual: bool = True):
     """The model's fusions: the query/key/value projection where asked; the feed-forward blocks always
     (:mod:`sparsetrain.models.ffn`: GELU recomputed in the backward where both linears are block-sparse and
-    ``trainer.kernels.gelu_recompute`` is on; transformers' modules otherwise)."""
+    ``trainer.kernels.gelu_recompute`` is on; transformers' modules otherwise); 16-bit LayerNorm outputs under
+    autocast unless ``fp32_residual``."""
     from sparsetrain.models.ffn import use_gelu_mlp
     from sparsetrain.models.fused_qkv import fuse_qkv
+    from sparsetrain.models.norms import use_16bit_residual
 
-    return use_gelu_mlp(fuse_qkv(model) if fused_qkv else model)
+    model = use_gelu_mlp(fuse_qkv(model) if fused_qkv else model)
+    return model if fp32_residual else use_16bit_residual(model)
 
 
 # ---- checks before anything is loaded, and the pretrained-model boundary -------------------------------------
@@ -224,7 +230,7 @@ FUSABLE_MODEL_TYPES = ("bert", "vit")
 
 
 def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str | None = None, task: str = "mlm",
-                     fused_qkv: bool = False, **_unused: Any) -> None:
+                     fused_qkv: bool = False, fp32_residual: bool = True, **_unused: Any) -> None:
     """Cheap checks of :func:`build_model`'s arguments (no weights read, no network): raises ValueError whose
     message starts with the argument's name. A local ``name_or_path`` must be a folder with a JSON
     ``config.json`` and an intact weight file (the safetensors header is read); a hub name is checked when
@@ -233,6 +239,8 @@ def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str |
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     if not isinstance(fused_qkv, bool):
         raise ValueError(f"fused_qkv must be true or false, got {fused_qkv!r}")
+    if not isinstance(fp32_residual, bool):
+        raise ValueError(f"fp32_residual must be true or false, got {fp32_residual!r}")
     if arch != "hf":
         _size(arch, size)
         return

@@ -36,13 +36,14 @@ SHAPE_KEYS = ("model", "sparsity", "data.seq_len", "data.vocab_size", "data.imag
 #: layout (not the scheduler, its seed or the data order, which are the new run's own) ...
 INIT_KEYS = ("model", "sparsity.density", "sparsity.distribution", "sparsity.density_overrides", "sparsity.block",
              "sparsity.format", "sparsity.targets", "sparsity.exclude", "data.vocab_size", "data.image_size")
-#: ... except these, which shape no weight (the position table is ``model.max_position_embeddings``)
-INIT_FREE = ("model.seq_len", "model.attn_implementation")
+#: ... except these, which shape no weight (the position table is ``model.max_position_embeddings``; the residual
+#: stream's precision)
+INIT_FREE = ("model.seq_len", "model.attn_implementation", "model.fp32_residual")
 INIT_KEY = "trainer.init_from"
 #: Keys added to the config tree after runs had been saved without them, with the value those runs behaved as:
 #: a stored config that lacks one compares as holding it (a run saved before ``model.fused_qkv`` existed resumes
 #: with ``model.fused_qkv=false``, and is refused with ``true``).
-ADDED_KEYS = {"model.fused_qkv": False}
+ADDED_KEYS = {"model.fused_qkv": False, "model.fp32_residual": True}
 
 
 class RunDirError(RuntimeError):
