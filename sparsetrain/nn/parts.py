@@ -23,7 +23,7 @@ def linear_in_parts(layer: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
     them so (see the module docstring), views of one output elsewhere."""
     if runs_block_ops(layer):
         meta = BlockFormat.meta(layer)
-        if meta.out_features % PARTS == 0 and parts_native_for(x, meta):
+        if parts_native_for(x, meta):   # (three pieces of whole blocks: out_features divides by PARTS)
             return block_sparse_linear_parts(x, layer.values, meta, layer.bias)
     y = layer(x)
     return y.split(y.shape[-1] // PARTS, dim=-1)

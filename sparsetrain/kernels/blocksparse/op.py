@@ -294,7 +294,13 @@ def op_weight_grads(x2d: Tensor, dy2d: Tensor, values: Tensor, meta: BlockSparse
     dv = dv.to(values.dtype)
     if not need_b:
         return dv, dy2d.new_empty(0, dtype=torch.float32)
-    return dv, (db32.clone() if dv.untyped_storage().data_ptr() == db32.untyped_storage().data_ptr() else db32)
+    return dv, _not_aliasing(db32, dv)
+
+
+def _not_aliasing(db: Tensor, dv: Tensor) -> Tensor:
+    """``db``, copied where it shares ``dv``'s storage (a split reduction returns both as views of one buffer;
+    a custom op's outputs may not alias)."""
+    return db.clone() if db.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr() else db
 
 
 def op_meta_args(meta: BlockSparseMeta) -> tuple:
@@ -574,8 +580,8 @@ def _bs_parts_backward_op(dys: list[Tensor], x: Tensor, values: Tensor, row_ptr:
     dv = dv.to(values.dtype) if need_v else values.new_empty(0)
     if not need_b:
         db = x.new_empty(0, dtype=torch.float32)
-    elif need_v and db.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr():
-        db = db.clone()   # a split reduction returns both as views of one buffer; an op's outputs may not alias
+    elif need_v:
+        db = _not_aliasing(db, dv)
     return dx, dv, db
 
 

@@ -267,9 +267,10 @@ def parts_native(meta: BlockSparseMeta) -> bool:
     return meta.grid[0] % PARTS == 0
 
 
-def _tuned_parts(p: Product, key: tuple, run):
+def _tuned_parts(pkey: tuple, p: Product, key: tuple, run, keep: bool = True):
     """The plan of a three-piece product: the tuner's pick among the candidates of the backends that take
-    pieces (``run(plan)`` one launch, timed), built like the other products' plans."""
+    pieces (``run(plan)`` one launch, timed), built like the other products' plans and kept under ``pkey``
+    (where ``keep`` and plans may be cached)."""
     built: dict = {}
 
     def launch(cfg):
@@ -280,7 +281,10 @@ def _tuned_parts(p: Product, key: tuple, run):
 
     kept = set(p.meta._groups)
     cfg = tuner.pick(p.kind, key, p.a.device, tuner.candidates(p), launch)
-    return _chosen_plan(p.meta, kept, built, cfg, p)
+    plan = _chosen_plan(p.meta, kept, built, cfg, p)
+    if keep and _may_cache(p.a.device):
+        _keep_plan(p.meta, pkey, plan)
+    return plan
 
 
 def dds_parts_forward(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None) -> list[Tensor]:
@@ -304,9 +308,7 @@ def dds_parts_forward(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Te
     if plan is None:
         key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
                values.dtype, has_bias, PARTS)
-        plan = _tuned_parts(Product("fwd", meta, x, values, has_bias, parts=PARTS), key, run)
-        if _may_cache(x.device):
-            _keep_plan(meta, pkey, plan)
+        plan = _tuned_parts(pkey, Product("fwd", meta, x, values, has_bias, parts=PARTS), key, run)
     run(plan)
     return outs
 
@@ -332,9 +334,7 @@ def dds_parts_dx(dys: list[Tensor], values: Tensor, meta: BlockSparseMeta) -> Te
     if plan is None:
         key = (meta.block, _pow2(T), meta.out_features, meta.in_features, tuner.density_bucket(meta), d0.dtype,
                values.dtype, False, PARTS)
-        plan = _tuned_parts(Product("dx", meta, d0, values, False, parts=PARTS), key, run)
-        if _may_cache(d0.device):
-            _keep_plan(meta, pkey, plan)
+        plan = _tuned_parts(pkey, Product("dx", meta, d0, values, False, parts=PARTS), key, run)
     return run(plan)
 
 
@@ -355,8 +355,6 @@ def sampled_grad_parts(x: Tensor, dys: list[Tensor], meta: BlockSparseMeta, with
     if plan is None:
         key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
                out_dtype, with_bias, PARTS)
-        plan = _tuned_parts(Product("dw", meta, x, d0, with_bias, parts=PARTS), key, run)
-        if T > 0 and _may_cache(x.device):
-            _keep_plan(meta, pkey, plan)
+        plan = _tuned_parts(pkey, Product("dw", meta, x, d0, with_bias, parts=PARTS), key, run, keep=T > 0)
     run(plan)
     return result[0], result[1]
