@@ -279,6 +279,13 @@ def dw_smem(tc: int, a_width: int, b_width: int) -> int:
     return 2 * 2 * tc * (a_width + 8 + b_width + 8)
 
 
+def dw_splits(t: int, tc: int, n_cta: int, sms: int) -> int:
+    """Token splits of a ``bs_dw`` launch: as many as one wave holds (one CTA per multiprocessor: 512 threads of
+    128 registers), at least 4 chunks each. A CTA's work is its blocks over its tokens, so one wave of longer
+    CTAs beats two waves of shorter ones (and the second wave's CTAs add their partial sums with atomics too)."""
+    return max(1, min(sms // max(1, n_cta), t // (4 * tc)))
+
+
 class CudaDwPlan:
     """One launch of ``bs_dw``; called like the Triton weight-gradient plans: ``plan(x, dy, dv, db_or_dv)``
     with ``dv`` (and ``db``) zeroed fp32 (``atomic``)."""
@@ -295,7 +302,7 @@ class CudaDwPlan:
         self.cta, self.blk, self.aw, self.bw = dw_table(meta, with_bias, cap, cfg.layout)
         self.t, self.tc, self.with_bias = x.shape[0], cfg.tc, with_bias
         n_cta = dw_ctas_used(meta, with_bias, cap, cfg.layout)   # the split is chosen for the CTAs with work
-        splits = max(1, min(_cdiv(2 * num_sms(x.device), n_cta), self.t // (4 * cfg.tc)))
+        splits = dw_splits(self.t, cfg.tc, n_cta, num_sms(x.device))
         self.tps = _cdiv(_cdiv(self.t, splits), cfg.tc) * cfg.tc  # tokens per split, a multiple of tc
         self.splits = _cdiv(self.t, self.tps)
         self.atomic = True  # the outputs are zeroed fp32: CTAs add partial sums with atomics
