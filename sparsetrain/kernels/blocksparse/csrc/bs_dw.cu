@@ -64,22 +64,30 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
   const int stage_halves = TC * (a.a_stride + a.b_stride);
   const int n_chunks = (te - ts + TC - 1) / TC;
 
-  // Each thread's 16-byte copies of a chunk are the same (row, column) positions in every chunk: element
-  // i = threadIdx.x + k * NT of the row-major [TC, cpr] grid. They are walked by adding NT as (rows, columns)
-  // with a carry, so the copy loop has no integer division per copy.
+  // The copies of a chunk: a thread keeps one 16-byte column of a staged range and walks its rows (the first
+  // dr * cpr threads, dr = NT / cpr rows apart), so the column's address (its piece too) is worked out once per
+  // chunk and each copy adds a row step. (Walking the [TC, cpr] grid by NT elements with a carry moved the column
+  // at every copy: ~40 instructions a copy, 40% of the kernel's.) Wider ranges (cpr > NT): a thread takes columns
+  // NT apart, every row of each.
   constexpr int NT = WARPS * 32;
   auto stage = [&](uint16_t* dst, int dst_stride, const uint16_t* src, const Pieces& pc, int ld, int col0, int cpr,
                    int row0) {
     if (cpr == 0) return;
-    const int dr = NT / cpr, dc = NT - dr * cpr;  // (recomputed per chunk: registers are the scarce thing)
-    int r = threadIdx.x / cpr, cc = threadIdx.x - r * cpr;
-    for (; r < TC; r += dr) {
-      const bool ok = row0 + r < te;
-      cp_async16(dst + r * dst_stride + cc * 8, ok ? pc.at(src, row0 + r, ld, col0 + cc * 8) : src, ok ? 16 : 0);
-      cc += dc;
-      if (cc >= cpr) {
-        cc -= cpr;
-        ++r;
+    const int dr = cpr <= NT ? NT / cpr : 1;
+    int r0 = 0, cc = threadIdx.x;
+    if (cpr <= NT) {
+      if (threadIdx.x >= dr * cpr) return;
+      r0 = threadIdx.x / cpr;
+      cc = threadIdx.x - r0 * cpr;
+    }
+    for (; cc < cpr; cc += NT) {
+      const uint16_t* g = pc.at(src, row0 + r0, ld, col0 + cc * 8);
+      const long long g_step = static_cast<long long>(dr) * ld;
+      uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst + r0 * dst_stride + cc * 8));
+      const uint32_t d_step = 2u * dr * dst_stride;
+      for (int r = r0; r < TC; r += dr, g += g_step, d += d_step) {
+        const bool ok = row0 + r < te;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(ok ? g : src), "r"(ok ? 16 : 0));
       }
     }
   };
