@@ -29,6 +29,37 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Copies the [rows, 8 * cpr]-half tile at `src` (row stride ld halves, 16-byte aligned) into shared memory at
+// byte address `dst`, rows dst_stride halves apart, rows at or past `valid` zero-filled: the NT threads of the CTA
+// take elements threadIdx.x + k * NT of the row-major [rows, cpr] grid of 16-byte chunks (balanced), and each
+// thread steps its addresses by constants (one more step where its column wraps), so a copy costs a few
+// instructions and no address arithmetic of its own. One call per piece of an operand in pieces.
+template <int NT>
+__device__ __forceinline__ void stage_tile(uint32_t dst, int dst_stride, const uint16_t* src, long long ld, int cpr,
+                                           int rows, int valid) {
+  if (cpr <= 0) return;
+  const int dr = NT / cpr, dc = NT - dr * cpr;  // cpr > NT: dr = 0, dc = NT (< 2 cpr: one wrap at most)
+  int r = threadIdx.x / cpr, cc = threadIdx.x - r * cpr;
+  const uint16_t* g = src + r * ld + cc * 8;
+  uint32_t d = dst + 2u * (r * dst_stride + cc * 8);
+  const long long g_step = dr * ld + dc * 8, g_wrap = ld - cpr * 8;
+  const uint32_t d_step = 2u * (dr * dst_stride + dc * 8), d_wrap = 2u * (dst_stride - cpr * 8);
+  while (r < rows) {
+    const bool ok = r < valid;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(ok ? g : src), "r"(ok ? 16 : 0));
+    r += dr;
+    cc += dc;
+    g += g_step;
+    d += d_step;
+    if (cc >= cpr) {
+      cc -= cpr;
+      ++r;
+      g += g_wrap;
+      d += d_wrap;
+    }
+  }
+}
+
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
   if constexpr (BF16) {

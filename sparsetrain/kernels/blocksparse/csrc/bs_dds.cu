@@ -224,20 +224,15 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
   int4* info_s = reinterpret_cast<int4*>(wbase + 2 * S * BLK * BLK);
   const int t0 = blockIdx.y * TM;  // the CTAs of one token tile are adjacent (x) and share its A in L2
 
-  // 1. the token tile of A, rows past T zero-filled (group 0 of every thread)
+  // 1. the token tile of A, rows past T zero-filled (group 0 of every thread), piece by piece
   {
-    // chunk c = threadIdx.x + i * WARPS * 32 of the row-major [TM, cpr] grid, walked as (row, column) with a
-    // carry: no integer division per copy
-    const int cpr = a.k >> 3, dr = WARPS * 32 / cpr, dc = WARPS * 32 - dr * cpr;
-    for (int r = threadIdx.x / cpr, cc = threadIdx.x - (threadIdx.x / cpr) * cpr; r < TM; r += dr) {
-      const int col = cc * 8;
-      const bool ok = t0 + r < a.t;
-      cp_async16(xs + r * xs_stride + col, ok ? a.pa.at(a.a, t0 + r, a.sa, col) : a.a, ok ? 16 : 0);
-      cc += dc;
-      if (cc >= cpr) {
-        cc -= cpr;
-        ++r;
-      }
+    const uint32_t xs_s = static_cast<uint32_t>(__cvta_generic_to_shared(xs));
+    const int valid = a.t - t0, w = a.pa.width ? a.pa.width : a.k;
+    const long long row0 = static_cast<long long>(t0) * a.sa;
+    stage_tile<WARPS * 32>(xs_s, xs_stride, a.a + row0, a.sa, w >> 3, TM, valid);
+    if (a.pa.width) {
+      stage_tile<WARPS * 32>(xs_s + 2u * w, xs_stride, a.pa.p1 + row0, a.sa, w >> 3, TM, valid);
+      stage_tile<WARPS * 32>(xs_s + 4u * w, xs_stride, a.pa.p2 + row0, a.sa, w >> 3, TM, valid);
     }
     cp_async_commit();
   }
