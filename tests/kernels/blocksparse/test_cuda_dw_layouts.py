@@ -261,9 +261,8 @@ def test_refill_after_a_topology_change_equals_a_fresh_build(layout):
 
 
 def test_dw_splits_fill_one_wave():
-    """The weight-gradient kernel runs one CTA per multiprocessor: its token splits fill one wave (measured on an
-    H100 at BERT-base's 16x16 shapes, one wave ran 3-9% faster than two and up to 30% faster than two and a
-    sliver), keep at least 4 chunks per split, and a table of more CTAs than multiprocessors is not split."""
+    """The weight-gradient kernel runs one CTA per multiprocessor: its token splits fill one wave (no second,
+    partial wave), keep at least 4 chunks per split, and a table of more CTAs than multiprocessors is not split."""
     for n_cta in (1, 2, 3, 8, 10, 64, 132):
         s = dw_splits(32768, 32, n_cta, 132)
         assert n_cta * s <= 132 < n_cta * (s + 1), n_cta
