@@ -66,9 +66,9 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
 
   // The copies of a chunk: a thread keeps one 16-byte column of a staged range and walks its rows (the first
   // dr * cpr threads, dr = NT / cpr rows apart), so the column's address (its piece too) is worked out once per
-  // chunk and each copy adds a row step. (Walking the [TC, cpr] grid by NT elements with a carry moved the column
-  // at every copy: ~40 instructions a copy, 40% of the kernel's.) Wider ranges (cpr > NT): a thread takes columns
-  // NT apart, every row of each.
+  // chunk and each copy adds a row step (walking the [TC, cpr] grid by NT elements with a carry moves the column
+  // at every copy, so every copy would work out its address and piece again). Wider ranges (cpr > NT): a thread
+  // takes columns NT apart, every row of each.
   constexpr int NT = WARPS * 32;
   auto stage = [&](uint16_t* dst, int dst_stride, const uint16_t* src, const Pieces& pc, int ld, int col0, int cpr,
                    int row0) {
