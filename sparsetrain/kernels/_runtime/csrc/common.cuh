@@ -17,9 +17,12 @@ constexpr int MIN_BLOCKS = 1;
 template <int NT>
 constexpr int min_blocks() { return NT <= 2 ? MIN_BLOCKS_SMALL_N : MIN_BLOCKS; }
 
+// 16 bytes global -> shared (`src_bytes` < 16: the rest zero-filled); the shared address as a 32-bit one
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+  cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), gmem, src_bytes);
 }
 __device__ __forceinline__ void cp_async8(void* smem, const void* gmem, int src_bytes) {
   unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -46,7 +49,7 @@ __device__ __forceinline__ void stage_tile(uint32_t dst, int dst_stride, const u
   const uint32_t d_step = 2u * (dr * dst_stride + dc * 8), d_wrap = 2u * (dst_stride - cpr * 8);
   while (r < rows) {
     const bool ok = r < valid;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(ok ? g : src), "r"(ok ? 16 : 0));
+    cp_async16(d, ok ? g : src, ok ? 16 : 0);
     r += dr;
     cc += dc;
     g += g_step;
@@ -79,25 +82,34 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
 
 // An operand given as three tensors of `width` columns each and one row stride (a fused query/key/value
 // projection: its forward writes q, k and v, its backward reads their gradients where attention wrote them);
-// width 0: one tensor. Column c of the whole operand is column c - p * width of piece p.
-struct Pieces {
-  const uint16_t* p1;
-  const uint16_t* p2;
+// width 0: one tensor. Column c of the whole operand is column c - p * width of piece p. T: const uint16_t for
+// an input, uint16_t for an output.
+template <typename T>
+struct PiecesOf {
+  T* p1;
+  T* p2;
   int width;
-  // the address of (row, col) of the whole operand whose piece 0 is `base` (row stride ld)
-  __device__ __forceinline__ const uint16_t* at(const uint16_t* base, long long row, int ld, int col) const {
+  // the piece holding column col of the whole operand whose piece 0 is `base`; col made relative to it
+  __device__ __forceinline__ T* select(T* base, int& col) const {
     if (width) {
       if (col >= 2 * width) {
-        base = p2;
         col -= 2 * width;
-      } else if (col >= width) {
-        base = p1;
+        return p2;
+      }
+      if (col >= width) {
         col -= width;
+        return p1;
       }
     }
-    return base + row * ld + col;
+    return base;
+  }
+  // the address of (row, col) of that operand (row stride ld)
+  __device__ __forceinline__ T* at(T* base, long long row, int ld, int col) const {
+    T* piece = select(base, col);
+    return piece + row * ld + col;
   }
 };
+using Pieces = PiecesOf<const uint16_t>;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T v);

@@ -22,26 +22,7 @@
 namespace {
 using namespace sparsetrain;
 
-// out in three tensors (Pieces, common.cuh, for an output): the piece holding output column col (piece 0:
-// `base`), col made relative to it
-struct OutPieces {
-  uint16_t* p1;
-  uint16_t* p2;
-  int width;
-  __device__ __forceinline__ uint16_t* select(uint16_t* base, int& col) const {
-    if (width) {
-      if (col >= 2 * width) {
-        col -= 2 * width;
-        return p2;
-      }
-      if (col >= width) {
-        col -= width;
-        return p1;
-      }
-    }
-    return base;
-  }
-};
+using OutPieces = PiecesOf<uint16_t>;  // out in three tensors (common.cuh)
 
 struct Args {
   const uint16_t* a;       // [T, K], row stride sa (halves), 16-byte aligned, sa % 8 == 0
@@ -264,8 +245,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_kernel(Args a) {
       for (int i = 0; i < CPL; ++i) {
         if (BCH % 32 == 0 || lane + 32 * i < BCH) {
           const uint32_t d = dst + cp_dst[i];
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d),
-                       "l"(src + 8 * (lane + 32 * i)), "r"(off >= 0 ? 16 : 0));
+          cp_async16(d, src + 8 * (lane + 32 * i), off >= 0 ? 16 : 0);
         }
       }
     }
@@ -479,8 +459,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dds_ks_kernel(KsArgs a) {
   auto issue = [&](int q, int stage) {  // entry q's W block into `stage`; one commit group, possibly empty
     if (q < n_e) {
       const int off = lds32(info_addr + 8u * (q & 63));
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(wring + 512u * stage + w_dst),
-                   "l"(a.values + (off >= 0 ? off : 0) + 8 * lane), "r"(off >= 0 ? 16 : 0));
+      cp_async16(wring + 512u * stage + w_dst, a.values + (off >= 0 ? off : 0) + 8 * lane, off >= 0 ? 16 : 0);
     }
     cp_async_commit();
   };

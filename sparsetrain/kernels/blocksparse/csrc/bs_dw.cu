@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(WARPS * 32) bs_dw_kernel(DwArgs a) {
       const uint32_t d_step = 2u * dr * dst_stride;
       for (int r = r0; r < TC; r += dr, g += g_step, d += d_step) {
         const bool ok = row0 + r < te;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(ok ? g : src), "r"(ok ? 16 : 0));
+        cp_async16(d, ok ? g : src, ok ? 16 : 0);
       }
     }
   };
