@@ -44,6 +44,18 @@ class Batches:
         return self.collator([self.dataset[i] for i in idx])
 
 
+def to_device(batch: dict, device) -> dict:
+    """The batch's tensors on ``device`` (non-blocking: a pinned batch copies while the host goes on)."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def count_items(batch: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """``(items, rate key)``: tokens for token batches (``input_ids``), else samples."""
+    if "input_ids" in batch:
+        return batch["input_ids"].numel(), "tokens_per_s"
+    return len(next(iter(batch.values()))), "samples_per_s"
+
+
 def same_sample_position(micro: int, samples: int, old_group: int, new_group: int) -> int | None:
     """Where a run taking ``new_group`` samples per global micro-batch continues one that took ``micro``
     micro-batches of ``old_group`` samples from a dataset of ``samples`` examples: the micro-batch that starts

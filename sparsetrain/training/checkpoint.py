@@ -99,21 +99,6 @@ def read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def check_compatible(state: dict[str, Any], path: Path, scheduler, key: str | None = None,
-                     same_scheduler: bool = True) -> None:
-    """A sparse run refuses a checkpoint that has no sparsity state (its masks would be invented). A resumed run
-    (``same_scheduler``) also refuses another scheduler's state; ``key`` (e.g. ``trainer.init_from``) leads the
-    message."""
-    sp = state.get("sparsity")
-    lead = f"{key}: " if key else ""
-    if scheduler.sparse and not sp:
-        raise CheckpointError(f"{lead}checkpoint {path} has no sparsity state, but this run uses "
-                              f"{scheduler.name!r}: refusing to start with invented masks")
-    if same_scheduler and sp and sp.get("name") != scheduler.name:
-        raise CheckpointError(f"checkpoint {path} holds sparsity state of {sp.get('name')!r}, this run uses "
-                              f"{scheduler.name!r}")
-
-
 # ---- writing --------------------------------------------------------------------------------------
 def _save(obj: Any, path: Path) -> None:
     torch.save(obj, path)

@@ -5,74 +5,57 @@
         clip, optimizer.step(), lr.step()
         record = scheduler.step(step)          # the only sparsity call on the hot path
 
-Several processes: DDP averages the gradients during the last backward, except in a CUDA-graph run, whose step
-averages them itself (grad_sync.py) so that the whole step, the all-reduce included, is one graph.
+:class:`Trainer` holds one run; each of its methods is one part of it, found by its name:
+
+=====================  ==========================================================================================
+``setup``              how the run starts (:func:`~sparsetrain.training.resume.decide_start`), model and masks,
+                       data, Accelerate, optimizer, the step; ``_restore`` continues a checkpoint
+``fit``                the loop: ``train_step``, then ``check_finite``, ``update_sparsity``, ``log_window``,
+                       ``evaluate``, ``save_checkpoint`` and ``stop_on_signal`` at the steps that call for them
+``finish``             the final masks check, the summary, the plot
+``close`` / ``end``    trackers and graphs; then Accelerate's process group and state
+=====================  ==========================================================================================
+
+Several processes: see processes.py (DDP, or a CUDA-graph step that averages gradients itself, grad_sync.py).
 """
 from __future__ import annotations
 
 import time
-from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sparsetrain import flops as flop_count
 from sparsetrain.kernels import set_kernel_options
 from sparsetrain.kernels.blocksparse import tuner as blocksparse_tuner
 from sparsetrain.training import checkpoint as ckpt
-from sparsetrain.training.batches import Batches, Prefetcher
-from sparsetrain.training.grad_sync import GradSync, broadcast_from_rank0
+from sparsetrain.training import metrics, resume
+from sparsetrain.training.batches import Batches, Prefetcher, count_items, to_device
+from sparsetrain.training.evaluation import evaluate
 from sparsetrain.training.guard import Guard, Interrupted, NonFiniteLoss, RunStopped, mask_update_due
-from sparsetrain.training.metrics import (
-    METRICS_FILE,
-    MetricsLogger,
-    Progress,
-    format_summary,
-    read_metrics,
-    train_seconds,
-    window_rate,
-    write_summary,
-)
 from sparsetrain.training.plots import plot_run
+from sparsetrain.training.processes import end_accelerator, start_accelerator, wrap
 from sparsetrain.training.ranks import compare_masks, mask_signature
-from sparsetrain.training.resume import (
-    INIT_KEY,
-    RunDirError,
-    StartPlan,
-    check_same_shape,
-    data_position,
-    plan_start,
-    resume_command,
+from sparsetrain.training.resume import RunDirError
+from sparsetrain.training.setup import (
+    RunSpec,
+    TrainArgs,
+    build_model_and_data,
+    lr_scheduler,
+    plan_kernel_dispatch,
 )
-from sparsetrain.training.setup import RunSpec, TrainArgs, lr_scheduler, plan_kernel_dispatch, sparsify_model
-from sparsetrain.training.sharded import prepare_fsdp, whole
-from sparsetrain.training.step import (
-    GraphCaptureError,
-    TrainStep,
-    graph_mode,
-    make_eager_safe,
-    make_graph_safe,
-)
+from sparsetrain.training.sharded import whole
+from sparsetrain.training.step import GraphCaptureError, build_train_step, graph_mode
 from sparsetrain.training.tracking import end_tracking, init_tracking, log_tracking
+from sparsetrain.training.window import Window
 
-__all__ = ["Batches", "RunDirError", "RunStopped", "mask_signature", "train"]
+__all__ = ["Batches", "RunDirError", "RunStopped", "Trainer", "mask_signature", "train"]
 
 # Tests only: several processes sync gradients in the step (as CUDA-graph runs do) in an eager run, which is
 # how the gloo CPU tests check that path against DDP.
 _STEP_SYNC_WITHOUT_GRAPH = False
-
-
-def _items_in(batch: dict[str, torch.Tensor]) -> tuple[int, str]:
-    if "input_ids" in batch:
-        return batch["input_ids"].numel(), "tokens_per_s"
-    return len(next(iter(batch.values()))), "samples_per_s"
-
-
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
@@ -82,447 +65,386 @@ def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     restored when it ends.
     """
     previous = set_kernel_options(spec.train_args.kernels)
-    ended: list = []   # the run's Accelerator, handed back by a run that finished or stopped, for the teardown
+    run = Trainer(spec, Path(run_dir))
     try:
-        summary = _train(spec, Path(run_dir), ended)
+        run.setup()
+        summary = run.fit()
     except RunStopped:
-        if ended:
-            _end(ended[0])
+        run.end()
         raise
     finally:
         set_kernel_options(previous)
-    if ended:
-        _end(ended[0])
+    run.end()
     return summary
 
 
-def _end(accelerator) -> None:
-    """The end of a run, once its step, model and optimizer are gone with ``_train``'s frame: what still refers to
-    them goes too (accelerate's lists, reference cycles), so a DDP reducer is not torn down after its process
-    group (gloo's was seen to hang there), then every rank meets, the process group goes, and accelerate's
-    process-wide state with it."""
-    import gc
+class Trainer:
+    """One training run of ``spec`` in ``run_dir``: ``setup()``, then ``fit()`` returns the summary, then ``end()``.
 
-    accelerator.free_memory()
-    gc.collect()
-    accelerator.wait_for_everyone()   # no rank tears the process group down while another still uses it
-    accelerator.end_training()
-    # accelerate keeps one process-wide state (mixed precision, the process group just destroyed): the next run in
-    # this process (a Hydra sweep's next job, a test) starts its own, e.g. with another precision.
-    from accelerate.state import AcceleratorState, GradientState
+    The run's position is ``step`` (optimizer steps), ``micro`` (micro-batches read), ``train_flops`` and
+    ``elapsed`` (seconds of training, start-up included); checkpoints store them and :meth:`_restore` reads them.
+    """
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    def __init__(self, spec: RunSpec, run_dir: Path) -> None:
+        self.spec, self.run_dir = spec, run_dir
+        self.args: TrainArgs = spec.train_args
+        self.scheduler = spec.scheduler
+        self.ckpt_root = run_dir / "checkpoints"
+        self.accelerator = None
+        self._closed = False
+        # the run's position (checkpointed)
+        self.step, self.micro, self.train_flops, self.elapsed = 0, 0, 0.0, 0.0
+        self.window: Window | None = None        # the logging window (window.py)
+        self.hook_time = self.step_time = 0.0   # the sparsity hook's share of the steps without an update
+        self.wandb_id = None
+        self.last_eval: dict | None = None
 
+    # ---- setup -------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Build the run, in an order that writes nothing until every check has passed."""
+        import logging
 
-def _prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict) -> None:
-    """Main process, once every check passed: tidy the checkpoints, say how the run starts, save the config."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    root = run_dir / "checkpoints"
-    for path, why in plan.skipped:
-        print(f"warning: skipping damaged checkpoint ({why}); kept as {ckpt.set_aside(path).name}", flush=True)
-    for name in ckpt.remove_partial(root):
-        print(f"removed the partial checkpoint {root / name} (an interrupted write)", flush=True)
-    if plan.replace_metrics:
-        (run_dir / METRICS_FILE).unlink(missing_ok=True)
-    for note in plan.notes:
-        print(note, flush=True)
-    from omegaconf import OmegaConf
+        from accelerate.utils import set_seed
 
-    OmegaConf.save(OmegaConf.create(config), run_dir / "config.yaml")
-    print(f"run directory: {run_dir}", flush=True)
+        logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
+        args = self.args
+        # how the run starts (fresh, or which checkpoint), decided before anything is written
+        self.plan = resume.decide_start(args.resume, self.run_dir, args.init_from, self.scheduler, self.spec.config)
+        # model and sparsity (cheap; validates the structure before any data is read)
+        set_seed(args.seed)
+        self.model, self.data = build_model_and_data(self.spec, self.plan.init_path, resume.INIT_KEY)
+        self._setup_accelerator()
+        if self.main:
+            resume.prepare_run_dir(self.run_dir, self.plan, self.spec.config)
+            tokenizer = getattr(self.data, "tokenizer", None)
+            if tokenizer is not None and not (self.run_dir / "tokenizer").exists():
+                tokenizer.save_pretrained(str(self.run_dir / "tokenizer"))  # export reads it: the cache may go
+        self._setup_optimizer()
+        self._setup_counting()
+        if self.plan.state is not None:
+            self._restore()
+        self._setup_logging()
+        self._setup_step()
 
+    def _setup_accelerator(self) -> None:
+        """Accelerate, FSDP's refusals, the resume position in the data and the batch streams (checked against
+        both sets before the run dir is touched)."""
+        args = self.args
+        self.cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        self.accelerator = acc = start_accelerator(args.mixed_precision, self.cpu, args.wandb, self.run_dir,
+                                                   self.model)
+        self.main = acc.is_main_process
+        if self.plan.state is not None:   # another process count: the same global batch, same sample, or refused
+            self.resume_micro, note = resume.data_position(self.plan.path, self.plan.state, acc.num_processes,
+                                                    args.batch_size, args.grad_accum, len(self.data.train))
+            self.plan.notes += [note] if note else []
+        data = self.data
+        self.batches = Batches(data.train, data.collator, args.batch_size, acc.num_processes, acc.process_index,
+                               args.seed)
+        self.eval_batches = Batches(data.eval, data.collator, args.batch_size, acc.num_processes,
+                                    acc.process_index, args.seed + 1,
+                                    what="held-out set (trainer.eval_every)") if args.eval_every else None
 
-def _train(spec: RunSpec, run_dir: Path, ended: list) -> dict[str, Any]:
-    import logging
+    def _setup_optimizer(self) -> None:
+        """Optimizer, LR schedule, whether steps replay a CUDA graph, Accelerate's wrapping, the scheduler."""
+        from accelerate.utils import DistributedType
 
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, set_seed
+        args, acc, model = self.args, self.accelerator, self.model
+        optimizer = self.spec.build_optimizer(model)
+        self.lr_sched = lr_scheduler(optimizer, args)
+        self.use_graph = graph_mode(
+            args.cuda_graph, acc.device.type == "cuda", acc.num_processes, args.mixed_precision,
+            args.compile_mode if args.compile else None,
+            optimizer_capturable="capturable" in optimizer.param_groups[0],
+            sharded=acc.distributed_type == DistributedType.FSDP,
+            running_stats=any(getattr(m, "track_running_stats", False) for m in model.modules()))
+        self.step_sync = acc.num_processes > 1 and (self.use_graph or _STEP_SYNC_WITHOUT_GRAPH)
+        self.model, self.optimizer = model, optimizer = wrap(acc, model, optimizer, self.step_sync)
+        self.inner = acc.unwrap_model(model)
+        self.raw_opt = getattr(optimizer, "optimizer", optimizer)
+        self.scheduler.attach(self.inner, self.raw_opt, total_steps=args.max_steps)
 
-    logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
-    args: TrainArgs = spec.train_args
-    scheduler = spec.scheduler
-    ckpt_root = run_dir / "checkpoints"
+    def _setup_counting(self) -> None:
+        """FLOPs per step, the 2:4 dispatch decisions, whether mask updates need the dense gradient."""
+        data = self.data
+        self.global_batch = self.args.batch_size * self.args.grad_accum * self.accelerator.num_processes
+        self.seq_len = getattr(data, "seq_len", None)
+        self.image_size = getattr(data, "image_size", None)
+        self.report = self.flop_report()
+        self.dispatch = plan_kernel_dispatch(self.inner, tokens=self.args.batch_size * self.report.seq_tokens,
+                                             cpu=self.cpu)
+        self.needs_grad = bool(getattr(getattr(self.scheduler, "policy", None), "needs_grad", False))
+        self.window = Window(self.accelerator.device, track_memory=torch.cuda.is_available() and not self.cpu)
 
-    # -- 1. how the run starts (fresh, or which checkpoint), decided before anything is written -----
-    plan = plan_start(args.resume, run_dir, args.init_from)
-    resume_state = plan.state
-    if resume_state is not None:
-        ckpt.check_compatible(resume_state, plan.path, scheduler)
-        check_same_shape(plan.path, resume_state, spec.config)
-    if plan.init_state is not None:   # trainer.init_from: the same model and mask layout; the scheduler is ours
-        ckpt.check_compatible(plan.init_state, plan.init_path, scheduler, key=INIT_KEY, same_scheduler=False)
-        check_same_shape(plan.init_path, plan.init_state, spec.config, key=INIT_KEY)
+    def flop_report(self) -> flop_count.FlopReport:
+        """FLOPs of one step of the global batch at the masks' current densities."""
+        return flop_count.count_step_flops(self.inner, batch_size=self.global_batch, seq_len=self.seq_len,
+                                           image_size=self.image_size,
+                                           predictions_per_seq=getattr(self.data, "predictions_per_seq", None))
 
-    # -- 2. model and sparsity (cheap; validates the structure before any data is read) -----------
-    set_seed(args.seed)
-    model = spec.build_model()
-    sparsify_model(model, scheduler, spec.sparsify_kwargs)
-    if plan.init_path is not None:   # its weights and masks, before the optimizer exists (block: values resized)
-        ckpt.load_model_state(model, plan.init_path, key=INIT_KEY)
+    def _restore(self) -> None:
+        """Continue the checkpoint the plan chose: masks, weights, optimizer, LR schedule, the run's position."""
+        state, path = self.plan.state, self.plan.path
+        if self.scheduler.sparse:
+            self.scheduler.load_state_dict(state["sparsity"])
+        ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, path, state.get("processes", 1))
+        self.lr_sched.load_state_dict(state["lr_scheduler"])
+        self.step, self.micro = state["step"], self.resume_micro
+        self.train_flops, self.elapsed = state["train_flops"], state["elapsed_s"]
+        self.window.restore(state["window"], state.get("win_loss"))
+        if path.resolve().parent == self.ckpt_root.resolve():   # the same run continues its tracker run
+            self.wandb_id = state.get("wandb_run_id")
+        self.report = self.flop_report()
+        if self.main:
+            metrics.MetricsLogger.truncate_after(self.run_dir, self.step)
+            print(f"resumed from {path} at step {self.step}", flush=True)
 
-    # -- 3. data: read before config.yaml is written, so that a data error leaves the run dir untouched -----
-    data = spec.build_data()
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if hasattr(data, "vocab_size") and vocab is not None and data.vocab_size > vocab:
-        raise ValueError(f"data.vocab_size: the tokenizer has {data.vocab_size} tokens, the model {vocab}")
-
-    cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, cpu=cpu,
-                              log_with="wandb" if args.wandb else None, project_dir=str(run_dir))
-    main = accelerator.is_main_process
-    prepare_fsdp(accelerator, model)   # FSDP: a setup the sparse layers cannot train under is refused here
-    if resume_state is not None:  # another process count: the same global batch, from the same sample, or refused
-        resume_micro, note = data_position(plan.path, resume_state, accelerator.num_processes, args.batch_size,
-                                           args.grad_accum, len(data.train))
-        plan.notes += [note] if note else []
-    # the batch size against both sets, before the run dir is touched; the held-out set only where it is read
-    batches = Batches(data.train, data.collator, args.batch_size, accelerator.num_processes,
-                      accelerator.process_index, args.seed)
-    eval_batches = Batches(data.eval, data.collator, args.batch_size, accelerator.num_processes,
-                           accelerator.process_index, args.seed + 1,
-                           what="held-out set (trainer.eval_every)") if args.eval_every else None
-    if main:
-        _prepare_run_dir(run_dir, plan, spec.config)
-        tokenizer = getattr(data, "tokenizer", None)
-        if tokenizer is not None and not (run_dir / "tokenizer").exists():
-            tokenizer.save_pretrained(str(run_dir / "tokenizer"))  # export reads it: the data cache may be gone
-    optimizer = spec.build_optimizer(model)
-    lr_sched = lr_scheduler(optimizer, args)
-    use_graph = graph_mode(args.cuda_graph, accelerator.device.type == "cuda", accelerator.num_processes,
-                           args.mixed_precision, args.compile_mode if args.compile else None,
-                           optimizer_capturable="capturable" in optimizer.param_groups[0],
-                           sharded=accelerator.distributed_type == DistributedType.FSDP,
-                           running_stats=any(getattr(m, "track_running_stats", False) for m in model.modules()))
-    step_sync = accelerator.num_processes > 1 and (use_graph or _STEP_SYNC_WITHOUT_GRAPH)
-    if step_sync:
-        # DDP's reducer cannot be captured: the model is placed and given autocast as prepare() does, without
-        # the DDP wrapper (accelerate calls that evaluation_mode), and starts from rank 0's weights as under DDP
-        model = accelerator.prepare_model(model, evaluation_mode=True)
-        optimizer = accelerator.prepare_optimizer(optimizer)
-        broadcast_from_rank0(model)
-    else:
-        model, optimizer = accelerator.prepare(model, optimizer)
-    inner = accelerator.unwrap_model(model)
-    raw_opt = getattr(optimizer, "optimizer", optimizer)
-    scheduler.attach(inner, raw_opt, total_steps=args.max_steps)
-
-    global_batch = args.batch_size * args.grad_accum * accelerator.num_processes
-    seq_len = getattr(data, "seq_len", None)
-    image_size = getattr(data, "image_size", None)
-
-    def flop_report():
-        return flop_count.count_step_flops(inner, batch_size=global_batch, seq_len=seq_len, image_size=image_size,
-                                           predictions_per_seq=getattr(data, "predictions_per_seq", None))
-
-    report = flop_report()
-    dispatch = plan_kernel_dispatch(inner, tokens=args.batch_size * report.seq_tokens, cpu=cpu)
-    needs_grad = bool(getattr(getattr(scheduler, "policy", None), "needs_grad", False))
-
-    # -- 4. resume ------------------------------------------------------------------------------------
-    step, micro, train_flops, elapsed = 0, 0, 0.0, 0.0
-    window = {"loss": 0.0, "steps": 0, "items": 0, "time": 0.0}
-    win_loss = torch.zeros((), device=accelerator.device)   # the window's loss, summed on device
-    hook_time = step_time = 0.0
-    wandb_id = None
-    if resume_state is not None:
-        if scheduler.sparse:
-            scheduler.load_state_dict(resume_state["sparsity"])
-        ckpt.load_checkpoint(accelerator, model, optimizer, plan.path, resume_state.get("processes", 1))
-        lr_sched.load_state_dict(resume_state["lr_scheduler"])
-        step, micro = resume_state["step"], resume_micro
-        train_flops, elapsed = resume_state["train_flops"], resume_state["elapsed_s"]
-        window = resume_state["window"]
-        if torch.is_tensor(resume_state.get("win_loss")):
-            win_loss = resume_state["win_loss"].to(accelerator.device)
-        if plan.path.resolve().parent == ckpt_root.resolve():   # the same run continues its tracker run
-            wandb_id = resume_state.get("wandb_run_id")
-        report = flop_report()
-        if main:
-            MetricsLogger.truncate_after(run_dir, step)
-            print(f"resumed from {plan.path} at step {step}", flush=True)
-    logger = MetricsLogger(run_dir, is_main_process=main)
-    if args.wandb:
-        wandb_id = init_tracking(accelerator, args.wandb_project, str(run_dir), spec.config, mode=args.wandb_mode,
-                                 name=args.wandb_name, enabled=True, run_id=wandb_id)
-    progress = Progress(args.max_steps, initial=step, disable=not (args.progress and main))
-
-    def log(row: dict) -> None:
-        logger.log(row)
+    def _setup_logging(self) -> None:
+        """The metrics file, the tracker, the progress bar; the dispatch rows; the evaluation already logged."""
+        args = self.args
+        self.logger = metrics.MetricsLogger(self.run_dir, is_main_process=self.main)
         if args.wandb:
-            log_tracking(accelerator, row, row["step"])
+            self.wandb_id = init_tracking(self.accelerator, args.wandb_project, str(self.run_dir), self.spec.config,
+                                          mode=args.wandb_mode, name=args.wandb_name, enabled=True,
+                                          run_id=self.wandb_id)
+        self.progress = metrics.Progress(args.max_steps, initial=self.step, disable=not (args.progress and self.main))
+        for rec in self.dispatch:  # shape-aware 2:4 vs dense decisions, one row per layer
+            self.log({"step": self.step, "event": "dispatch", **rec})
+        # a resumed run reports the evaluation it already logged until it evaluates again (resuming a finished
+        # run rewrote its summary with no final_eval_loss)
+        self.last_eval = metrics.last_eval(metrics.read_metrics(self.run_dir), self.step) if self.step else None
 
-    for rec in dispatch:  # shape-aware 2:4 vs dense decisions, one row per layer
-        log({"step": step, "event": "dispatch", **rec})
-    # torch.compile of the training forward (trainer.compile). The first step of this process runs eagerly:
-    # it tunes the sparse kernels and builds their metadata outside any CUDA-graph memory pool (needed by
-    # compile_mode=reduce-overhead). Evaluation and checkpoints use the uncompiled module (same parameters).
-    compiled = torch.compile(model, mode=args.compile_mode) if args.compile else None
-    if compiled is not None and main:
-        print("trainer.compile: the first compiled step builds the model's kernels (BERT-base on an H100: about "
-              "a minute); trainer.compile=false skips it", flush=True)
-    first_step = step
-    guard = Guard(accelerator.device, accelerator.num_processes, start_step=step)
-    run_step = _step_runner(model, compiled, optimizer, raw_opt, accelerator, args, guard, use_graph, step_sync,
-                            lambda: step > first_step)
+    def _setup_step(self) -> None:
+        """torch.compile (``trainer.compile``), the guard and the run's :class:`TrainStep`.
 
-    def evaluate() -> dict[str, float]:
-        model.eval()
-        total, correct, count, n = torch.zeros((), device=accelerator.device), 0, 0, 0
-        with torch.no_grad():
-            for b in range(min(args.eval_batches, eval_batches.per_epoch)):
-                batch = _to(eval_batches.get(b), accelerator.device)
-                with accelerator.autocast():
-                    out = model(**batch)
-                total += out.loss.float()
-                n += 1
-                if "pixel_values" in batch:
-                    correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
-                    count += len(batch["labels"])
-        model.train()
-        loss = accelerator.reduce(total / max(n, 1), reduction="mean").item()
-        row = {"eval_loss": loss}
-        if count:
-            acc = accelerator.reduce(torch.tensor(correct / count, device=accelerator.device), "mean").item()
-            row["eval_accuracy"] = acc
-        return row
+        The first step of this process runs eagerly: it tunes the sparse kernels and builds their metadata outside
+        any CUDA-graph memory pool (needed by compile_mode=reduce-overhead). Evaluation and checkpoints use the
+        uncompiled module (same parameters)."""
+        args, acc = self.args, self.accelerator
+        compiled = torch.compile(self.model, mode=args.compile_mode) if args.compile else None
+        if compiled is not None and self.main:
+            print("trainer.compile: the first compiled step builds the model's kernels (BERT-base on an H100: about "
+                  "a minute); trainer.compile=false skips it", flush=True)
+        self.first_step = self.step
+        self.guard = Guard(acc.device, acc.num_processes, start_step=self.step)
+        self.run_step = build_train_step(self.model, compiled, self.optimizer, self.raw_opt, acc, args, self.guard,
+                                         self.use_graph, self.step_sync, lambda: self.step > self.first_step)
 
-    def save(at: int) -> Path:
-        # the loss check (guard.py) runs before the optimizer step; an update that overflowed the weights is
-        # caught here: reading every weight once costs little next to writing them all
-        if not bool(torch.stack([torch.isfinite(whole(p)).all() for p in inner.parameters()]).all()):
-            raise NonFiniteLoss(stopped(f"non-finite weights at step {at}; nothing was saved"))
-        # the window's device sum is stored as it is (not folded into a float): a resumed run adds the same
-        # float32 values in the same order as an uninterrupted one
-        extra = {"lr_scheduler": lr_sched.state_dict(), "micro_batches": micro, "train_flops": train_flops,
-                 "elapsed_s": elapsed, "window": dict(window), "args": asdict(args), "config": spec.config,
-                 "win_loss": accelerator.reduce(win_loss.clone(), reduction="mean").cpu(),
-                 "wandb_run_id": wandb_id}
-        return ckpt.save_checkpoint(accelerator, model, optimizer, ckpt_root, at, scheduler, extra,
-                                    args.keep_checkpoints)
+    # ---- the loop ----------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train from ``step`` to ``trainer.max_steps``, then save the last checkpoint; return the summary."""
+        args = self.args
+        self.model.train()
+        self.rate_key = "tokens_per_s" if self.seq_len else "samples_per_s"
+        self.window.start_loop()
+        try:
+            # trainer.num_workers threads collate (and, for graph steps, pin) the next batches while a step runs
+            with self.guard, Prefetcher(self.batches, self.micro, args.num_workers, pin=self.use_graph) as feed:
+                while self.step < args.max_steps:
+                    self._one_step(feed)
+                self.save_checkpoint(self.step)
+        except RunStopped:
+            self.close()
+            raise
+        return self.finish()
 
-    def sync_point(at: int) -> bool:
+    def _one_step(self, feed: Prefetcher) -> None:
+        """One optimizer step and what the step count calls for after it."""
+        t0 = time.perf_counter()
+        loss, items = self.train_step(feed)
+        stop = self.check_finite() if self.sync_point(self.step) else None  # before a mask update can run
+        record = self.update_sparsity()
+        self.window.add(loss, items * self.accelerator.num_processes)
+        dt = time.perf_counter() - t0
+        self.elapsed += dt
+        self.window.add_time(dt)
+        if record is None:
+            self.step_time += dt
+        else:
+            ranks = compare_masks(self.inner, self.accelerator.num_processes)  # several processes: one all-gather
+            self.log({"step": self.step, **record, "density": self.scheduler.density, **ranks.row})
+            ranks.raise_if_diverged(self.step)             # before the next optimizer step or checkpoint
+        args, step = self.args, self.step
+        if step % args.log_every == 0 or step == args.max_steps:
+            self.log_window()
+        if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
+            self.last_eval = self.evaluate()
+            self.log({"step": step, **self.last_eval, "train_flops": self.train_flops, "elapsed_s": self.elapsed})
+        if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.max_steps:
+            self.save_checkpoint(step)
+        if self.accelerator.num_processes == 1:
+            stop = self.guard.signal            # one process: act on a signal after this very step
+        if stop and step < args.max_steps:
+            self.stop_on_signal(stop)
+
+    def train_step(self, feed: Prefetcher) -> tuple[torch.Tensor, int]:
+        """Read ``grad_accum`` micro-batches and run one optimizer step and the LR schedule's; return the step's
+        loss (on the device) and the items (tokens or samples) this process read."""
+        micro_batches, items = [], 0
+        for _ in range(self.args.grad_accum):
+            batch = to_device(feed.get(self.micro), self.accelerator.device)  # pinned by the feed for graph steps
+            self.micro += 1
+            n_items, self.rate_key = count_items(batch)
+            items += n_items
+            micro_batches.append(batch)
+        # a step whose layers hand their dense gradient to Python (RigL's grow step) runs eagerly, on the
+        # uncompiled model
+        hooks_step = self.needs_grad and mask_update_due(self.scheduler, self.step + 1)
+        try:
+            loss = self.run_step(micro_batches, plain=hooks_step)
+        except GraphCaptureError as e:
+            if self.args.cuda_graph is True:
+                raise ValueError(f"trainer.cuda_graph: is true but {e}; set trainer.cuda_graph=false or auto") from e
+            if self.main:
+                print(f"warning: {e}; the run goes on with eager steps", flush=True)
+            self.run_step.graph_mode = False
+            loss = self.run_step(micro_batches, eager=True)
+        self.lr_sched.step()
+        self.step += 1
+        return loss, items
+
+    def sync_point(self, at: int) -> bool:
         """Steps that synchronise with the device anyway; the guard reads its flags there (see guard.py)."""
-        return (at % args.log_every == 0 or at == args.max_steps or mask_update_due(scheduler, at)
+        args = self.args
+        return (at % args.log_every == 0 or at == args.max_steps or mask_update_due(self.scheduler, at)
                 or bool(args.eval_every and at % args.eval_every == 0)
                 or bool(args.checkpoint_every and at % args.checkpoint_every == 0))
 
-    def stopped(what: str) -> str:
+    def check_finite(self) -> int | None:
+        """Read the guard's flags: raise :class:`NonFiniteLoss` for a non-finite loss or gradient norm since the
+        last sync point; return a stop signal the processes agreed on (or None)."""
+        first_bad, stop = self.guard.poll()
+        if first_bad is not None:
+            raise NonFiniteLoss(self.stop_message(f"non-finite loss or gradient norm at step {first_bad} (seen at "
+                                                  f"step {self.step}); nothing after it was saved"))
+        return stop
+
+    def update_sparsity(self) -> dict | None:
+        """The sparsity hook after the optimizer step; counts the step's FLOPs (an update step's at the masks it
+        ran with). Returns the scheduler's record of a mask update, or None."""
+        th = time.perf_counter()
+        record = self.scheduler.step(self.step)
+        dt_hook = time.perf_counter() - th
+        if record is not None:
+            self.run_step.topology_changed()                     # kept only if written in place
+            self.train_flops += flop_count.step_flops(self.report, is_update_step=True, dense_grad=self.needs_grad)
+            self.report = self.flop_report()                     # density may have changed
+        else:
+            self.train_flops += flop_count.step_flops(self.report, is_update_step=False, dense_grad=False)
+            self.hook_time += dt_hook
+        return record
+
+    def log(self, row: dict) -> None:
+        """One row to metrics.jsonl (main process) and the tracker."""
+        self.logger.log(row)
+        if self.args.wandb:
+            log_tracking(self.accelerator, row, row["step"])
+
+    def log_window(self) -> None:
+        """The training row of the window that ends at this step: mean loss, rate, memory; then a new window."""
+        step, window = self.step, self.window
+        startup = step - window.steps <= self.first_step + self.run_step.warmup   # tuning, compile, first capture
+        loss, rate, memory, wait = window.close(self._mean)
+        self.elapsed += wait
+        row = {"step": step, "loss": loss, "lr": self.lr_sched.get_last_lr()[0], "train_flops": self.train_flops,
+               self.rate_key: rate, "density": self.scheduler.density, "elapsed_s": self.elapsed, **memory}
+        if startup:
+            row["startup"] = True
+        self.log(row)
+        window.reset(startup)
+        self.progress.update(step, loss=loss, lr=row["lr"], **{self.rate_key: rate})
+
+    def _mean(self, value: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(value, reduction="mean")
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean held-out loss (and accuracy for images) over ``trainer.eval_batches`` batches (evaluation.py)."""
+        return evaluate(self.model, self.accelerator, self.eval_batches, self.args.eval_batches)
+
+    # ---- checkpoints and stopping ------------------------------------------------------------------------
+    def save_checkpoint(self, at: int) -> Path:
+        """Write the checkpoint of step ``at`` (:func:`~sparsetrain.training.checkpoint.save_checkpoint`), after
+        checking that every weight is finite."""
+        # the loss check (guard.py) runs before the optimizer step; an update that overflowed the weights is
+        # caught here: reading every weight once costs little next to writing them all
+        if not bool(torch.stack([torch.isfinite(whole(p)).all() for p in self.inner.parameters()]).all()):
+            raise NonFiniteLoss(self.stop_message(f"non-finite weights at step {at}; nothing was saved"))
+        # the window's device sum is stored as it is (not folded into a float): a resumed run adds the same
+        # float32 values in the same order as an uninterrupted one
+        window, win_loss = self.window.state(self._mean)
+        extra = {"lr_scheduler": self.lr_sched.state_dict(), "micro_batches": self.micro,
+                 "train_flops": self.train_flops, "elapsed_s": self.elapsed, "window": window,
+                 "args": asdict(self.args), "config": self.spec.config, "win_loss": win_loss,
+                 "wandb_run_id": self.wandb_id}
+        return ckpt.save_checkpoint(self.accelerator, self.model, self.optimizer, self.ckpt_root, at,
+                                    self.scheduler, extra, self.args.keep_checkpoints)
+
+    def stop_on_signal(self, signum: int) -> None:
+        """SIGTERM / SIGINT: write a checkpoint of this step and stop with the command that continues the run."""
+        import signal
+
+        path = self.save_checkpoint(self.step)
+        again = resume.resume_command(self.run_dir, self.args.overrides)
+        raise Interrupted(f"stopped by {signal.Signals(signum).name} after step {self.step}; checkpoint {path} "
+                          f"written; continue with {again}", signum)
+
+    def stop_message(self, what: str) -> str:
         """One line for a non-finite stop: what happened and how to go on from the last good checkpoint."""
-        last = ckpt.list_checkpoints(ckpt_root)
-        resume = "auto" if last or plan.path is None else str(plan.path)
-        where = last[-1] if last else plan.path
-        fix = "change what made it diverge (e.g. a lower optim.optimizer.lr)"
-        if where is None:
-            return f"{what}; no checkpoint was written yet: {fix} and start the run again"
-        return (f"{what}; the last good checkpoint is {where}: {fix} and continue with "
-                f"{resume_command(run_dir, args.overrides, resume)}")
+        return resume.continue_message(what, self.run_dir, self.args.overrides, self.plan.path)
 
-    # -- 5. the loop -------------------------------------------------------------------------------
-    model.train()
-    # a resumed run reports the evaluation it already logged until it evaluates again (resuming a finished run
-    # rewrote its summary with no final_eval_loss)
-    last_eval = _last_eval(read_metrics(run_dir), step) if step else None
-    rate_key = "tokens_per_s" if seq_len else "samples_per_s"
-    peak_mem = 0.0   # GiB since the loop started: the statistics are reset after each window's row
-    if torch.cuda.is_available() and not cpu:
-        torch.cuda.reset_peak_memory_stats()
-    try:
-        # trainer.num_workers threads collate (and, for graph steps, pin) the next batches while a step runs
-        with guard, Prefetcher(batches, micro, args.num_workers, pin=use_graph) as feed:
-            while step < args.max_steps:
-                t0 = time.perf_counter()
-                micro_batches, items = [], 0
-                for _ in range(args.grad_accum):
-                    batch = _to(feed.get(micro), accelerator.device)  # pinned by the feed for graph steps
-                    micro += 1
-                    n_items, rate_key = _items_in(batch)
-                    items += n_items
-                    micro_batches.append(batch)
-                # a step whose layers hand their dense gradient to Python (RigL's grow step) runs eagerly, on
-                # the uncompiled model
-                hooks_step = needs_grad and mask_update_due(scheduler, step + 1)
-                try:
-                    loss_acc = run_step(micro_batches, plain=hooks_step)
-                except GraphCaptureError as e:
-                    if args.cuda_graph is True:
-                        raise ValueError(f"trainer.cuda_graph: is true but {e}; set trainer.cuda_graph=false "
-                                         f"or auto") from e
-                    if main:
-                        print(f"warning: {e}; the run goes on with eager steps", flush=True)
-                    run_step.graph_mode = False
-                    loss_acc = run_step(micro_batches, eager=True)
-                lr_sched.step()
-                step += 1
-                stop = None
-                if sync_point(step):   # before the sparsity hook: a mask update never runs on NaN weights
-                    first_bad, stop = guard.poll()
-                    if first_bad is not None:
-                        raise NonFiniteLoss(stopped(f"non-finite loss or gradient norm at step {first_bad} "
-                                                    f"(seen at step {step}); nothing after it was saved"))
-                th = time.perf_counter()
-                record = scheduler.step(step)                       # the sparsity hook
-                dt_hook = time.perf_counter() - th
-                if record is not None:
-                    run_step.topology_changed()                     # kept only if written in place
-                    train_flops += flop_count.step_flops(report, is_update_step=True, dense_grad=needs_grad)
-                    report = flop_report()                          # density may have changed
-                else:
-                    train_flops += flop_count.step_flops(report, is_update_step=False, dense_grad=False)
-                    hook_time += dt_hook
-                win_loss += loss_acc                                # summed on device: no sync per step
-                window["steps"] += 1
-                window["items"] += items * accelerator.num_processes
-                dt = time.perf_counter() - t0
-                elapsed += dt
-                window["time"] += dt
-                if record is None:
-                    step_time += dt
-                if record is not None:
-                    ranks = compare_masks(inner, accelerator.num_processes)  # several processes: one all-gather
-                    log({"step": step, **record, "density": scheduler.density, **ranks.row})
-                    ranks.raise_if_diverged(step)             # before the next optimizer step or checkpoint
-                if step % args.log_every == 0 or step == args.max_steps:
-                    t_sync = time.perf_counter()
-                    window["loss"] += float(accelerator.reduce(win_loss.clone(), reduction="mean").item())
-                    wait = time.perf_counter() - t_sync       # the GPU work the host had queued ahead
-                    window["time"] += wait
-                    elapsed += wait
-                    win_loss.zero_()
-                    row = {"step": step, "loss": window["loss"] / max(1, window["steps"]),
-                           "lr": lr_sched.get_last_lr()[0], "train_flops": train_flops,
-                           rate_key: window["items"] / max(window["time"], 1e-9),
-                           "density": scheduler.density, "elapsed_s": elapsed}
-                    if torch.cuda.is_available() and not cpu:
-                        peak_mem = max(peak_mem, torch.cuda.max_memory_allocated() / 2**30)   # since the reset
-                        # what the allocator held from the device in this window: with CUDA graphs the graphs'
-                        # private pools, which the allocated statistics stop counting after capture
-                        row["peak_mem_gb"], row["reserved_gb"] = peak_mem, torch.cuda.max_memory_reserved() / 2**30
-                    if step - window["steps"] <= first_step + run_step.warmup:
-                        row["startup"] = True     # the window holds the process's tuning, compile or first capture
-                    log(row)
-                    if "reserved_gb" in row:
-                        if row.get("startup"):   # blocks freed by tuning and compiling go back to the device
-                            torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats()      # the next row's reserved_gb: its window only
-                    progress.update(step, loss=row["loss"], lr=row["lr"], **{rate_key: row[rate_key]})
-                    window = {"loss": 0.0, "steps": 0, "items": 0, "time": 0.0}
-                if args.eval_every and (step % args.eval_every == 0 or step == args.max_steps):
-                    last_eval = evaluate()
-                    log({"step": step, **last_eval, "train_flops": train_flops, "elapsed_s": elapsed})
-                if args.checkpoint_every and step % args.checkpoint_every == 0 and step < args.max_steps:
-                    save(step)
-                if accelerator.num_processes == 1:
-                    stop = guard.signal            # one process: act on a signal after this very step
-                if stop and step < args.max_steps:
-                    import signal
+    # ---- the end -----------------------------------------------------------------------------------------
+    def finish(self) -> dict[str, Any]:
+        """After the last step: check the final masks agree across processes, write the summary, plot."""
+        self.progress.close()
+        self.logger.close()
+        final_ranks = compare_masks(self.inner, self.accelerator.num_processes)  # identical masks: None alone
+        final_ranks.raise_if_diverged()
+        summary = self.summary(final_ranks.identical)
+        if self.main:
+            metrics.write_summary(self.run_dir, **summary)
+            if self.args.plot:
+                plot_run(self.run_dir)
+            print(metrics.format_summary(summary), flush=True)
+            print(f"run directory: {self.run_dir}", flush=True)
+        self.close()
+        return summary
 
-                    path = save(step)
-                    raise Interrupted(f"stopped by {signal.Signals(stop).name} after step {step}; checkpoint "
-                                      f"{path} written; continue with "
-                                      f"{resume_command(run_dir, args.overrides)}", stop)
-            save(step)
-    except RunStopped:
-        progress.close()
-        logger.close()
-        if args.wandb:
-            end_tracking(accelerator)
-        run_step.invalidate()            # before the process group goes: NCCL waits for graphs holding its ops
-        ended.append(accelerator)        # train() ends it once this frame's model and step are gone
-        raise
-    progress.close()
-    logger.close()
-    final_ranks = compare_masks(inner, accelerator.num_processes)  # the final masks too (identical: None alone)
-    final_ranks.raise_if_diverged()
+    def summary(self, masks_identical: bool | None) -> dict[str, Any]:
+        """The run's summary.json: what ran, its cost (FLOPs, seconds, rate) and how its steps ran."""
+        acc, main, step = self.accelerator, self.main, self.step
+        return {
+            "status": "finished", "method": self.spec.method, "recipe": self.args.recipe,
+            "density": self.scheduler.density, "block": self.spec.block_label if self.scheduler.sparse else "-",
+            "steps": step, "final_eval_loss": self.last_eval["eval_loss"] if self.last_eval else None,
+            "total_train_flops": self.train_flops, "wall_s": self.elapsed,
+            # seconds of training, the start-up windows left out
+            "train_s": metrics.train_seconds(metrics.read_metrics(self.run_dir), step) if main else None,
+            "device": torch.cuda.get_device_name(acc.device) if acc.device.type == "cuda" else "cpu",
+            self.rate_key: metrics.window_rate(self.run_dir, self.rate_key) if main else None,
+            "hook_share_non_update_steps": self.hook_time / self.step_time if self.step_time else None,
+            "processes": acc.num_processes, "ranks_masks_identical": masks_identical,
+            "flops_per_step_dense": self.report.dense_total, "flops_per_step_sparse": self.report.sparse_total,
+            "step_mode": "cuda_graph" if self.run_step.graph_mode else "eager", **self.run_step.stats(),
+            "kernel_choices": blocksparse_tuner.choice_counts(),   # tuned block-sparse products per backend
+        }
 
-    # -- 6. summary -------------------------------------------------------------------------------------
-    summary = {
-        "status": "finished", "method": spec.method, "recipe": args.recipe, "density": scheduler.density,
-        "block": spec.block_label if scheduler.sparse else "-", "steps": step,
-        "final_eval_loss": last_eval["eval_loss"] if last_eval else None,
-        "total_train_flops": train_flops, "wall_s": elapsed,
-        "train_s": train_seconds(read_metrics(run_dir), step) if main else None,   # start-up left out
-        "device": torch.cuda.get_device_name(accelerator.device) if accelerator.device.type == "cuda" else "cpu",
-        "tokens_per_s" if rate_key == "tokens_per_s" else "samples_per_s":
-            window_rate(run_dir, rate_key) if main else None,
-        "hook_share_non_update_steps": hook_time / step_time if step_time else None,
-        "processes": accelerator.num_processes, "ranks_masks_identical": final_ranks.identical,
-        "flops_per_step_dense": report.dense_total, "flops_per_step_sparse": report.sparse_total,
-        "step_mode": "cuda_graph" if run_step.graph_mode else "eager", **run_step.stats(),
-        "kernel_choices": blocksparse_tuner.choice_counts(),   # tuned block-sparse products per backend
-    }
-    if main:
-        write_summary(run_dir, **summary)
-        if args.plot:
-            plot_run(run_dir)
-        print(format_summary(summary), flush=True)
-        print(f"run directory: {run_dir}", flush=True)
-    if args.wandb:
-        end_tracking(accelerator)
-    run_step.invalidate()            # before the process group goes: NCCL waits for graphs holding its ops
-    ended.append(accelerator)        # train() ends it once this frame's model and step are gone
-    return summary
+    def close(self) -> None:
+        """The metrics file, progress bar and tracker; the step's graphs, before the process group goes (NCCL
+        waits for graphs holding its ops)."""
+        self.progress.close()
+        self.logger.close()
+        if self.args.wandb:
+            end_tracking(self.accelerator)
+        self.run_step.invalidate()
+        self._closed = True
 
+    def end(self) -> None:
+        """After :meth:`close`: drop the run's model, optimizer and step, then end Accelerate (processes.py).
+        Nothing to do for a run that failed before it trained."""
+        if self.accelerator is None or not self._closed:
+            return
+        for name in ("model", "inner", "optimizer", "raw_opt", "lr_sched", "run_step", "guard", "batches",
+                     "eval_batches", "data"):
+            self.__dict__.pop(name, None)
+        end_accelerator(self.accelerator)
 
-def _last_eval(rows: list[dict], step: int) -> dict | None:
-    """The ``eval_*`` values of the last evaluation row at or before ``step`` (None if there is none)."""
-    evals = [r for r in rows if "eval_loss" in r and r.get("step", 0) <= step]
-    return {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else None
-
-
-_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
-
-
-def _step_runner(model, compiled, optimizer, raw_opt, accelerator, args: TrainArgs, guard: Guard, use_graph: bool,
-                 step_sync: bool, compiled_now) -> TrainStep:
-    """The run's :class:`TrainStep`. DDP or one process without graphs: Accelerate's backward, no-sync, clip and
-    autocast. Graph (or ``step_sync``): plain torch calls that capture, autocast without its cast cache, the
-    optimizer made capturable (graph runs) and, with several processes, the step's own gradient all-reduce after
-    the last micro-batch (``step_sync``: the model is not wrapped in DDP)."""
-    def forward(batch):
-        fwd = compiled if compiled is not None and compiled_now() else model
-        return fwd(**batch)
-
-    if not (use_graph or step_sync):
-        make_eager_safe(raw_opt)
-
-        def clip():
-            if not args.clip_grad_norm:
-                return None
-            return accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
-
-        return TrainStep(forward, accelerator.backward, optimizer, clip=clip, observe=guard.observe,
-                         autocast=accelerator.autocast, no_sync=lambda: accelerator.no_sync(model),
-                         plain_forward=lambda batch: model(**batch))
-    if use_graph:
-        make_graph_safe(raw_opt, accelerator.device)
-    else:
-        make_eager_safe(raw_opt)
-    params = [p for p in model.parameters() if p.requires_grad]   # the order of accelerate's clip: the same norm
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
-    sync = GradSync(lambda: params, accelerator.num_processes) if step_sync else None
-
-    def clip():
-        if not args.clip_grad_norm:
-            return None
-        return torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm, foreach=use_graph or None)
-
-    def autocast():
-        # Attention: the fused kernels named first, the fp32 math path last. (The graph steps' fall to the math
-        # path that was measured came from an all-True mask transformers builds under capture; the model no
-        # longer passes one, models/mlm.py. This order was in place for every graph-mode number since.)
-        stack = ExitStack()
-        stack.enter_context(torch.autocast(accelerator.device.type, dtype=dtype or torch.float32,
-                                           enabled=dtype is not None, cache_enabled=False))
-        stack.enter_context(sdpa_kernel(_ATTENTION, set_priority=True))
-        return stack
-
-    # a compiled forward compiles on its first call, which must not be a capture: the process's first step
-    # runs the plain model (it tunes the kernels), the second the compiled one, the third is captured
-    def reads():   # what the captured step reads besides the batch (a mask update may rewrite it in place)
-        return [*model.parameters(), *model.buffers(),
-                *(v for state in raw_opt.state.values() for v in state.values() if torch.is_tensor(v))]
-
-    return TrainStep(forward, lambda loss: loss.backward(), raw_opt, clip=clip, observe=guard.observe,
-                     autocast=autocast, sync=sync, graph=use_graph, warmup=2 if compiled is not None else 1,
-                     plain_forward=lambda batch: model(**batch), reads=reads)

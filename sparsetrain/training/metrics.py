@@ -346,6 +346,12 @@ def format_summary(summary: dict) -> str:
     return " ".join(head) + "\n  " + " | ".join(body)
 
 
+def last_eval(rows: list[dict], step: int) -> dict | None:
+    """The ``eval_*`` values of the last evaluation row at or before ``step`` (None if there is none)."""
+    evals = [r for r in rows if "eval_loss" in r and r.get("step", 0) <= step]
+    return {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else None
+
+
 def window_rate(run_dir: str | os.PathLike, key: str) -> float | None:
     """Median of ``key`` (a throughput) over the logged rows: robust to the first, warm-up window."""
     vals = sorted(r[key] for r in read_metrics(run_dir) if key in r)

@@ -1,5 +1,8 @@
-"""Deciding how a run starts in its run directory, before anything is written: fresh, or resumed from which
-checkpoint, and whether the stored config allows it.
+"""Where a run starts from, decided in one place before anything is written: fresh, resumed from which
+checkpoint, started from another run's weights (``trainer.init_from``), or refused and why. :func:`decide_start`
+makes the whole decision (reading only); :func:`prepare_run_dir` then carries it out in the run directory; the
+loop asks :func:`data_position` where in the data a resumed run continues. Checkpoint files themselves are only
+written and read by :mod:`sparsetrain.training.checkpoint`.
 
 * ``trainer.resume=auto`` takes the newest *intact* checkpoint (a damaged one is named and skipped);
   with none it starts from step 0, replacing the metrics of a run killed before its first checkpoint.
@@ -28,6 +31,7 @@ from typing import Any
 from sparsetrain.training import checkpoint as ckpt
 from sparsetrain.training.batches import same_sample_position
 from sparsetrain.training.checkpoint import CheckpointError
+from sparsetrain.training.metrics import METRICS_FILE
 
 #: Config keys (and key prefixes) a resumed run must share with its checkpoint: they decide the model's
 #: shapes, which weights are masked and how masks evolve, or the data order.
@@ -63,6 +67,21 @@ class StartPlan:
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     replace_metrics: bool = False
     notes: list[str] = field(default_factory=list)
+
+
+def check_compatible(state: dict[str, Any], path: Path, scheduler, key: str | None = None,
+                     same_scheduler: bool = True) -> None:
+    """A sparse run refuses a checkpoint that has no sparsity state (its masks would be invented). A resumed run
+    (``same_scheduler``) also refuses another scheduler's state; ``key`` (e.g. ``trainer.init_from``) leads the
+    message."""
+    sp = state.get("sparsity")
+    lead = f"{key}: " if key else ""
+    if scheduler.sparse and not sp:
+        raise CheckpointError(f"{lead}checkpoint {path} has no sparsity state, but this run uses "
+                              f"{scheduler.name!r}: refusing to start with invented masks")
+    if same_scheduler and sp and sp.get("name") != scheduler.name:
+        raise CheckpointError(f"checkpoint {path} holds sparsity state of {sp.get('name')!r}, this run uses "
+                              f"{scheduler.name!r}")
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -243,7 +262,7 @@ def plan_start(resume: str | None, run_dir: Path, init_from: str | None = None) 
                               f"from a checkpoint's weights and masks; set one of them")
     root = run_dir / "checkpoints"
     plan = StartPlan()
-    has_metrics = (run_dir / "metrics.jsonl").exists()
+    has_metrics = (run_dir / METRICS_FILE).exists()
     finished = (run_dir / "summary.json").exists()
     if resume is None:
         if has_metrics and (finished or ckpt.list_checkpoints(root)):
@@ -274,6 +293,54 @@ def plan_start(resume: str | None, run_dir: Path, init_from: str | None = None) 
                                f"{plan.init_state['step']} of its run) at step 0, with a new optimizer and "
                                f"learning-rate schedule"]
     return plan
+
+
+def decide_start(resume: str | None, run_dir: Path, init_from: str | None, scheduler, config: dict) -> StartPlan:
+    """The whole decision of how the run in ``run_dir`` starts (reading only): :func:`plan_start`, then the
+    checkpoint to resume checked against this run's scheduler and config (:func:`check_compatible`,
+    :func:`check_same_shape`), and a fresh run's ``init_from`` checkpoint the same way. Raises
+    :class:`RunDirError` or :class:`CheckpointError` naming the setting when the run cannot start."""
+    plan = plan_start(resume, run_dir, init_from)
+    if plan.state is not None:
+        check_compatible(plan.state, plan.path, scheduler)
+        check_same_shape(plan.path, plan.state, config)
+    if plan.init_state is not None:   # the same model and mask layout; the scheduler is the new run's own
+        check_compatible(plan.init_state, plan.init_path, scheduler, key=INIT_KEY, same_scheduler=False)
+        check_same_shape(plan.init_path, plan.init_state, config, key=INIT_KEY)
+    return plan
+
+
+def prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict) -> None:
+    """Main process, once every check passed: set damaged checkpoints aside, remove leftovers of an interrupted
+    write, replace a partial run's metrics, say how the run starts, save the config."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    root = run_dir / "checkpoints"
+    for path, why in plan.skipped:
+        print(f"warning: skipping damaged checkpoint ({why}); kept as {ckpt.set_aside(path).name}", flush=True)
+    for name in ckpt.remove_partial(root):
+        print(f"removed the partial checkpoint {root / name} (an interrupted write)", flush=True)
+    if plan.replace_metrics:
+        (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    for note in plan.notes:
+        print(note, flush=True)
+    from omegaconf import OmegaConf
+
+    OmegaConf.save(OmegaConf.create(config), run_dir / "config.yaml")
+    print(f"run directory: {run_dir}", flush=True)
+
+
+def continue_message(what: str, run_dir: Path, overrides: tuple[str, ...] | list[str],
+                     started_from: Path | None) -> str:
+    """One line for a run stopped by a non-finite value: what happened and how to go on from the last good
+    checkpoint (the run's newest, else the checkpoint it was started from)."""
+    last = ckpt.list_checkpoints(run_dir / "checkpoints")
+    resume = "auto" if last or started_from is None else str(started_from)
+    where = last[-1] if last else started_from
+    fix = "change what made it diverge (e.g. a lower optim.optimizer.lr)"
+    if where is None:
+        return f"{what}; no checkpoint was written yet: {fix} and start the run again"
+    return f"{what}; the last good checkpoint is {where}: {fix} and continue with " \
+           f"{resume_command(run_dir, overrides, resume)}"
 
 
 def resume_command(run_dir: Path, overrides: tuple[str, ...] | list[str] = (), resume: str = "auto") -> str:

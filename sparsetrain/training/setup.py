@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -102,6 +103,23 @@ def sparsify_model(model: nn.Module, scheduler, sparsify_kwargs: dict, format: s
     if format is not None:
         kw["format"] = format
     return sparsify(model, density={n: scheduler.initial_density(d) for n, d in targets.items()}, **kw)
+
+
+def build_model_and_data(spec: RunSpec, init_path: Path | None = None, init_key: str = "") -> tuple[nn.Module, Any]:
+    """The run's model, sparsified as its scheduler wants and, with ``init_path``, given that checkpoint's weights
+    and masks (before any optimizer exists); then its data (read after the model, so that a structure error costs
+    no data loading), checked against the model's vocabulary."""
+    from sparsetrain.training.checkpoint import load_model_state
+
+    model = spec.build_model()
+    sparsify_model(model, spec.scheduler, spec.sparsify_kwargs)
+    if init_path is not None:   # block format: the values are resized for the loaded masks
+        load_model_state(model, init_path, key=init_key)
+    data = spec.build_data()
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if hasattr(data, "vocab_size") and vocab is not None and data.vocab_size > vocab:
+        raise ValueError(f"data.vocab_size: the tokenizer has {data.vocab_size} tokens, the model {vocab}")
+    return model, data
 
 
 def build_optimizer(model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], kwargs: dict,

@@ -30,10 +30,18 @@ raises :class:`GraphCaptureError`; the loop then goes on eagerly under ``trainer
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from sparsetrain.training.grad_sync import GradSync
+
+if TYPE_CHECKING:
+    from sparsetrain.training.guard import Guard
+    from sparsetrain.training.setup import TrainArgs
 
 Batch = dict[str, Tensor]
 
@@ -280,3 +288,62 @@ class TrainStep:
     def stats(self) -> dict[str, float | int]:
         return {"graph_captures": self.captures, "graph_replays": self.replays, "eager_steps": self.eager_steps,
                 "graphs_kept": self.graphs_kept, "capture_s": round(self.capture_s, 3)}
+
+
+_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
+
+
+def build_train_step(model, compiled, optimizer, raw_opt, accelerator, args: TrainArgs, guard: Guard,
+                     use_graph: bool, step_sync: bool, compiled_now: Callable[[], bool]) -> TrainStep:
+    """The run's :class:`TrainStep`. DDP or one process without graphs: Accelerate's backward, no-sync, clip and
+    autocast. Graph (or ``step_sync``): plain torch calls that capture, autocast without its cast cache, the
+    optimizer made capturable (graph runs) and, with several processes, the step's own gradient all-reduce after
+    the last micro-batch (``step_sync``: the model is not wrapped in DDP). ``compiled_now()`` says whether the
+    forward may use the compiled module yet."""
+    def forward(batch):
+        fwd = compiled if compiled is not None and compiled_now() else model
+        return fwd(**batch)
+
+    if not (use_graph or step_sync):
+        make_eager_safe(raw_opt)
+
+        def clip():
+            if not args.clip_grad_norm:
+                return None
+            return accelerator.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+
+        return TrainStep(forward, accelerator.backward, optimizer, clip=clip, observe=guard.observe,
+                         autocast=accelerator.autocast, no_sync=lambda: accelerator.no_sync(model),
+                         plain_forward=lambda batch: model(**batch))
+    if use_graph:
+        make_graph_safe(raw_opt, accelerator.device)
+    else:
+        make_eager_safe(raw_opt)
+    params = [p for p in model.parameters() if p.requires_grad]   # the order of accelerate's clip: the same norm
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+    sync = GradSync(lambda: params, accelerator.num_processes) if step_sync else None
+
+    def clip():
+        if not args.clip_grad_norm:
+            return None
+        return torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm, foreach=use_graph or None)
+
+    def autocast():
+        # Attention: the fused kernels named first, the fp32 math path last. (The graph steps' fall to the math
+        # path that was measured came from an all-True mask transformers builds under capture; the model no
+        # longer passes one, models/mlm.py. This order was in place for every graph-mode number since.)
+        stack = ExitStack()
+        stack.enter_context(torch.autocast(accelerator.device.type, dtype=dtype or torch.float32,
+                                           enabled=dtype is not None, cache_enabled=False))
+        stack.enter_context(sdpa_kernel(_ATTENTION, set_priority=True))
+        return stack
+
+    # a compiled forward compiles on its first call, which must not be a capture: the process's first step
+    # runs the plain model (it tunes the kernels), the second the compiled one, the third is captured
+    def reads():   # what the captured step reads besides the batch (a mask update may rewrite it in place)
+        return [*model.parameters(), *model.buffers(),
+                *(v for state in raw_opt.state.values() for v in state.values() if torch.is_tensor(v))]
+
+    return TrainStep(forward, lambda loss: loss.backward(), raw_opt, clip=clip, observe=guard.observe,
+                     autocast=autocast, sync=sync, graph=use_graph, warmup=2 if compiled is not None else 1,
+                     plain_forward=lambda batch: model(**batch), reads=reads)

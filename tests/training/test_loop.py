@@ -104,10 +104,10 @@ def test_the_run_is_torn_down_after_its_step_and_prepared_objects_are_gone(tmp_p
 
     from accelerate import Accelerator
 
-    from sparsetrain.training import loop
+    from sparsetrain.training import step as step_module
 
     seen, steps = {}, []
-    real_end, real_step = Accelerator.end_training, loop.TrainStep
+    real_end, real_step = Accelerator.end_training, step_module.TrainStep
 
     def end_training(self):
         seen["step_alive"] = any(ref() is not None for ref in steps)
@@ -120,7 +120,7 @@ def test_the_run_is_torn_down_after_its_step_and_prepared_objects_are_gone(tmp_p
         return step
 
     monkeypatch.setattr(Accelerator, "end_training", end_training)
-    monkeypatch.setattr(loop, "TrainStep", make_step)
+    monkeypatch.setattr(step_module, "TrainStep", make_step)
     args = TrainArgs(max_steps=2, batch_size=4, eval_every=0, log_every=1, device="cpu", progress=False,
                      plot=False, recipe="plain", checkpoint_every=0)
     train(_spec(Static(), args), tmp_path / "run")
