@@ -8,14 +8,16 @@ Written so that nothing written can be lost or execute code:
 * every file is a ``torch.save`` of tensors and plain containers, and every load uses ``weights_only=True``
   (a checkpoint holding any other object is refused, never unpickled);
 * files are written into ``.tmp_step_X``, fsynced, the directory renamed to ``step_X`` and the parent fsynced:
-  a ``step_X`` dir is complete or absent. ``meta.json`` lists every file with its size, so a file truncated
-  later is noticed before anything is loaded;
+  a ``step_X`` dir is complete or absent. ``meta.json`` lists every file with its size and SHA-256, so a file
+  truncated or corrupted later is noticed before anything is loaded (and a resume takes the checkpoint before);
 * rotation renames an old checkpoint to ``.trash_step_X`` before deleting it, and leftovers of an
   interrupted write or rotation (``.tmp_*``, ``.trash_*``, a ``step_X`` without its state) are removed by
   :func:`remove_partial` when the next run starts.
 """
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
@@ -41,6 +43,15 @@ _LEFTOVER = re.compile(r"^\.(tmp|trash)_step_\d{8}$")
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (its partial files were removed); the message is one line, and
+    ``disk_full`` says whether the device ran out of space."""
+
+    def __init__(self, message: str, disk_full: bool) -> None:
+        super().__init__(message)
+        self.disk_full = disk_full
 
 
 def _rng_file(rank: int) -> str:
@@ -77,16 +88,30 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: unreadable {META_FILE} ({e})") from None
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 23):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def check_intact(path: Path) -> None:
-    """Every file ``meta.json`` lists exists with its recorded size (a truncated file raises CheckpointError).
-    A dir given by hand without ``meta.json`` is not checked here (its files are still loaded safely)."""
+    """Every file ``meta.json`` lists exists with its recorded size and SHA-256 (checkpoints written before the
+    checksums: sizes only); a damaged file raises CheckpointError. A dir given by hand without ``meta.json`` is
+    not checked here (its files are still loaded safely)."""
     if not (path / META_FILE).is_file():
         return
-    for name, size in (read_meta(path).get("files") or {}).items():
+    meta = read_meta(path)
+    for name, size in (meta.get("files") or {}).items():
         f = path / name
         if not f.is_file() or f.stat().st_size != size:
             have = f.stat().st_size if f.is_file() else "missing"
             raise CheckpointError(f"checkpoint {path}: {name} is damaged ({have} bytes, written {size})")
+    for name, digest in (meta.get("sha256") or {}).items():
+        if _sha256(path / name) != digest:
+            raise CheckpointError(f"checkpoint {path}: {name} is damaged (its content does not match the SHA-256 "
+                                  f"written with it)")
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -132,18 +157,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(accelerator, model, optimizer, root: Path, step: int, scheduler, extra: dict[str, Any],
                     keep: int) -> Path:
-    """Write ``root/step_XXXXXXXX`` atomically (see the module docstring); keep the newest ``keep``."""
+    """Write ``root/step_XXXXXXXX`` atomically (see the module docstring); keep the newest ``keep``. A checkpoint
+    of the same step already there (a run resumed from an older one) is replaced. A write that fails (a full
+    disk, say) removes what it wrote and raises :class:`CheckpointWriteError`; older checkpoints stay as they are."""
     main = accelerator.is_main_process
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}"
-    if final.exists():
-        return final
+    final, tmp = root / f"step_{step:08d}", root / f".tmp_step_{step:08d}"
+    try:
+        if main:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        accelerator.wait_for_everyone()
+        _write_files(accelerator, model, optimizer, tmp)
+        if main:
+            state = {"step": step, "sparsity": scheduler.state_dict() if scheduler.sparse else None,
+                     "processes": accelerator.num_processes, **extra}
+            _save(state, tmp / STATE_FILE)
+            _write_meta(tmp, step, scheduler.name)
+    except (OSError, RuntimeError) as e:
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(*_write_failure(e, root, final)) from e
     if main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        _publish(tmp, final, root, keep)
     accelerator.wait_for_everyone()
+    return final
+
+
+def _write_files(accelerator, model, optimizer, tmp: Path) -> None:
+    """Model, optimizer and scaler (main process) and every process's random state, into ``tmp``."""
+    main = accelerator.is_main_process
     inner = accelerator.unwrap_model(model)
     if sharded.model_is_sharded(inner):   # FSDP2: every rank gathers, the files are those of one process
         model_state = sharded.full_model_state(inner)
@@ -158,24 +202,54 @@ def save_checkpoint(accelerator, model, optimizer, root: Path, step: int, schedu
         if accelerator.scaler is not None:
             _save(accelerator.scaler.state_dict(), tmp / SCALER_FILE)
     accelerator.wait_for_everyone()
-    if main:
-        state = {"step": step, "sparsity": scheduler.state_dict() if scheduler.sparse else None,
-                 "processes": accelerator.num_processes, **extra}
-        _save(state, tmp / STATE_FILE)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        meta = tmp / META_FILE
-        meta.write_text(json.dumps({"step": step, "sparsity": scheduler.name, "files": files}) + "\n")
-        fsync_path(meta)
-        fsync_path(tmp)
+
+
+def _write_meta(tmp: Path, step: int, sparsity: str) -> None:
+    """meta.json: every file's size and SHA-256, read back from the disk (what a resume will read)."""
+    files = sorted(tmp.iterdir())
+    meta = tmp / META_FILE
+    meta.write_text(json.dumps({"step": step, "sparsity": sparsity, "files": {p.name: p.stat().st_size for p in files},
+                                "sha256": {p.name: _sha256(p) for p in files}}) + "\n")
+    fsync_path(meta)
+    fsync_path(tmp)
+
+
+def _publish(tmp: Path, final: Path, root: Path, keep: int) -> None:
+    """Rename the written checkpoint into place (replacing one of the same step), then rotate old ones."""
+    if final.exists():
+        replaced = root / f".trash_{final.name}"
+        os.replace(final, replaced)
         os.replace(tmp, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_path(root)
+    for old in list_checkpoints(root)[:-keep]:
+        trash = root / f".trash_{old.name}"
+        os.replace(old, trash)          # one atomic step: the checkpoint is whole or gone
         fsync_path(root)
-        for old in list_checkpoints(root)[:-keep]:
-            trash = root / f".trash_{old.name}"
-            os.replace(old, trash)          # one atomic step: the checkpoint is whole or gone
-            fsync_path(root)
-            shutil.rmtree(trash, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    return final
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _write_failure(error: BaseException, root: Path, final: Path) -> tuple[str, bool]:
+    """One line for a checkpoint that could not be written, and whether the disk is full (torch reports that as
+    ``basic_ios::clear: iostream error`` or ``unexpected pos``: the free space against the last checkpoint's size
+    tells)."""
+    try:
+        free = shutil.disk_usage(root if root.exists() else root.parent).free
+    except OSError:
+        free = None
+    previous = list_checkpoints(root)
+    needed = sum(p.stat().st_size for p in previous[-1].iterdir()) if previous else 0
+    full = getattr(error, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (
+        free is not None and free < max(needed, 64 * 2**20))
+    what = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    space = f"{free / 2**20:,.0f} MiB free" if free is not None else "free space unknown"
+    if needed:
+        space += f", the last checkpoint took {needed / 2**20:,.0f} MiB"
+    if full:
+        return f"no space left on the device of {root} to write {final.name} ({space})", True
+    return f"could not write {final.name} under {root}: {what} ({space})", False
 
 
 def load_model_state(inner, path: Path, key: str | None = None) -> None:

@@ -37,6 +37,12 @@ class NonFiniteLoss(RunStopped):
     exit_code = 1
 
 
+class WriteFailed(RunStopped):
+    """A checkpoint could not be written (a full disk, say); the ones before it are intact."""
+
+    exit_code = 1
+
+
 class Interrupted(RunStopped):
     def __init__(self, message: str, signum: int) -> None:
         super().__init__(message)

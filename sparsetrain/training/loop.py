@@ -20,6 +20,8 @@ Several processes: see processes.py (DDP, or a CUDA-graph step that averages gra
 """
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,21 +36,29 @@ from sparsetrain.training import checkpoint as ckpt
 from sparsetrain.training import metrics, resume
 from sparsetrain.training.batches import Batches, Prefetcher, count_items, to_device
 from sparsetrain.training.evaluation import evaluate
-from sparsetrain.training.guard import Guard, Interrupted, NonFiniteLoss, RunStopped, mask_update_due
-from sparsetrain.training.plots import plot_run
+from sparsetrain.training.guard import (
+    Guard,
+    Interrupted,
+    NonFiniteLoss,
+    RunStopped,
+    WriteFailed,
+    mask_update_due,
+)
 from sparsetrain.training.processes import end_accelerator, start_accelerator, wrap
 from sparsetrain.training.ranks import compare_masks, mask_signature
+from sparsetrain.training.report import RunReport
 from sparsetrain.training.resume import RunDirError
+from sparsetrain.training.run_lock import RunDirLock
 from sparsetrain.training.setup import (
     RunSpec,
     TrainArgs,
+    apply_optimizer_settings,
     build_model_and_data,
     lr_scheduler,
     plan_kernel_dispatch,
 )
 from sparsetrain.training.sharded import whole
 from sparsetrain.training.step import GraphCaptureError, build_train_step, graph_mode
-from sparsetrain.training.tracking import end_tracking, init_tracking, log_tracking
 from sparsetrain.training.window import Window
 
 __all__ = ["Batches", "RunDirError", "RunStopped", "Trainer", "mask_signature", "train"]
@@ -61,14 +71,15 @@ _STEP_SYNC_WITHOUT_GRAPH = False
 def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     """Run one training job described by ``spec`` into ``run_dir``; return the summary.
 
-    The run's kernel options (``spec.train_args.kernels``) are in force for the whole run, set once here and
-    restored when it ends.
+    The run holds ``run_dir`` (run_lock.py) and its kernel options (``spec.train_args.kernels``) for the whole run,
+    both set once here and released when it ends.
     """
     previous = set_kernel_options(spec.train_args.kernels)
     run = Trainer(spec, Path(run_dir))
     try:
-        run.setup()
-        summary = run.fit()
+        with RunDirLock(run.run_dir, enabled=os.environ.get("RANK", "0") == "0"):  # the main process holds it
+            run.setup()
+            summary = run.fit()
     except RunStopped:
         run.end()
         raise
@@ -90,20 +101,15 @@ class Trainer:
         self.args: TrainArgs = spec.train_args
         self.scheduler = spec.scheduler
         self.ckpt_root = run_dir / "checkpoints"
-        self.accelerator = None
-        self._closed = False
-        # the run's position (checkpointed)
-        self.step, self.micro, self.train_flops, self.elapsed = 0, 0, 0.0, 0.0
+        self.accelerator, self._closed = None, False
+        self.step, self.micro, self.train_flops, self.elapsed = 0, 0, 0.0, 0.0   # the run's position
         self.window: Window | None = None        # the logging window (window.py)
         self.hook_time = self.step_time = 0.0   # the sparsity hook's share of the steps without an update
-        self.wandb_id = None
-        self.last_eval: dict | None = None
+        self.wandb_id, self.last_eval = None, None   # the tracker run a resumed run continues
 
     # ---- setup -------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Build the run, in an order that writes nothing until every check has passed."""
-        import logging
-
         from accelerate.utils import set_seed
 
         logging.getLogger("accelerate").setLevel(logging.WARNING)  # its per-save INFO lines drown the progress bar
@@ -170,8 +176,8 @@ class Trainer:
         self.global_batch = self.args.batch_size * self.args.grad_accum * self.accelerator.num_processes
         self.seq_len = getattr(data, "seq_len", None)
         self.image_size = getattr(data, "image_size", None)
-        self.report = self.flop_report()
-        self.dispatch = plan_kernel_dispatch(self.inner, tokens=self.args.batch_size * self.report.seq_tokens,
+        self.flops = self.flop_report()
+        self.dispatch = plan_kernel_dispatch(self.inner, tokens=self.args.batch_size * self.flops.seq_tokens,
                                              cpu=self.cpu)
         self.needs_grad = bool(getattr(getattr(self.scheduler, "policy", None), "needs_grad", False))
         self.window = Window(self.accelerator.device, track_memory=torch.cuda.is_available() and not self.cpu)
@@ -187,27 +193,25 @@ class Trainer:
         state, path = self.plan.state, self.plan.path
         if self.scheduler.sparse:
             self.scheduler.load_state_dict(state["sparsity"])
+        fresh = [{k: v for k, v in group.items() if k != "params"} for group in self.raw_opt.param_groups]
         ckpt.load_checkpoint(self.accelerator, self.model, self.optimizer, path, state.get("processes", 1))
         self.lr_sched.load_state_dict(state["lr_scheduler"])
+        if self.plan.applied:   # what the user changed on purpose (decided and said in resume.changed_settings)
+            apply_optimizer_settings(self.raw_opt, self.lr_sched, fresh, self.plan.applied)
         self.step, self.micro = state["step"], self.resume_micro
         self.train_flops, self.elapsed = state["train_flops"], state["elapsed_s"]
         self.window.restore(state["window"], state.get("win_loss"))
         if path.resolve().parent == self.ckpt_root.resolve():   # the same run continues its tracker run
             self.wandb_id = state.get("wandb_run_id")
-        self.report = self.flop_report()
+        self.flops = self.flop_report()
         if self.main:
             metrics.MetricsLogger.truncate_after(self.run_dir, self.step)
             print(f"resumed from {path} at step {self.step}", flush=True)
 
     def _setup_logging(self) -> None:
-        """The metrics file, the tracker, the progress bar; the dispatch rows; the evaluation already logged."""
-        args = self.args
-        self.logger = metrics.MetricsLogger(self.run_dir, is_main_process=self.main)
-        if args.wandb:
-            self.wandb_id = init_tracking(self.accelerator, args.wandb_project, str(self.run_dir), self.spec.config,
-                                          mode=args.wandb_mode, name=args.wandb_name, enabled=True,
-                                          run_id=self.wandb_id)
-        self.progress = metrics.Progress(args.max_steps, initial=self.step, disable=not (args.progress and self.main))
+        """The run's report (metrics file, tracker, progress bar); the dispatch rows; the evaluation logged."""
+        self.report = RunReport(self.run_dir, self.accelerator, self.main, self.args, self.spec.config, self.step,
+                                self.wandb_id)
         for rec in self.dispatch:  # shape-aware 2:4 vs dense decisions, one row per layer
             self.log({"step": self.step, "event": "dispatch", **rec})
         # a resumed run reports the evaluation it already logged until it evaluates again (resuming a finished
@@ -327,18 +331,16 @@ class Trainer:
         dt_hook = time.perf_counter() - th
         if record is not None:
             self.run_step.topology_changed()                     # kept only if written in place
-            self.train_flops += flop_count.step_flops(self.report, is_update_step=True, dense_grad=self.needs_grad)
-            self.report = self.flop_report()                     # density may have changed
+            self.train_flops += flop_count.step_flops(self.flops, is_update_step=True, dense_grad=self.needs_grad)
+            self.flops = self.flop_report()                     # density may have changed
         else:
-            self.train_flops += flop_count.step_flops(self.report, is_update_step=False, dense_grad=False)
+            self.train_flops += flop_count.step_flops(self.flops, is_update_step=False, dense_grad=False)
             self.hook_time += dt_hook
         return record
 
     def log(self, row: dict) -> None:
         """One row to metrics.jsonl (main process) and the tracker."""
-        self.logger.log(row)
-        if self.args.wandb:
-            log_tracking(self.accelerator, row, row["step"])
+        self.report.log(row)
 
     def log_window(self) -> None:
         """The training row of the window that ends at this step: mean loss, rate, memory; then a new window."""
@@ -352,7 +354,7 @@ class Trainer:
             row["startup"] = True
         self.log(row)
         window.reset(startup)
-        self.progress.update(step, loss=loss, lr=row["lr"], **{self.rate_key: rate})
+        self.report.progress.update(step, loss=loss, lr=row["lr"], **{self.rate_key: rate})
 
     def _mean(self, value: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(value, reduction="mean")
@@ -375,9 +377,14 @@ class Trainer:
         extra = {"lr_scheduler": self.lr_sched.state_dict(), "micro_batches": self.micro,
                  "train_flops": self.train_flops, "elapsed_s": self.elapsed, "window": window,
                  "args": asdict(self.args), "config": self.spec.config, "win_loss": win_loss,
-                 "wandb_run_id": self.wandb_id}
-        return ckpt.save_checkpoint(self.accelerator, self.model, self.optimizer, self.ckpt_root, at,
-                                    self.scheduler, extra, self.args.keep_checkpoints)
+                 "wandb_run_id": self.report.wandb_id}
+        try:
+            return ckpt.save_checkpoint(self.accelerator, self.model, self.optimizer, self.ckpt_root, at,
+                                        self.scheduler, extra, self.args.keep_checkpoints)
+        except ckpt.CheckpointWriteError as e:   # a full disk, say: one line, and how to go on
+            fix = resume.DISK_FULL if e.disk_full else resume.NOT_WRITTEN
+            raise WriteFailed(resume.continue_message(str(e), self.run_dir, self.args.overrides, self.plan.path,
+                                                      fix=fix)) from None
 
     def stop_on_signal(self, signum: int) -> None:
         """SIGTERM / SIGINT: write a checkpoint of this step and stop with the command that continues the run."""
@@ -395,17 +402,11 @@ class Trainer:
     # ---- the end -----------------------------------------------------------------------------------------
     def finish(self) -> dict[str, Any]:
         """After the last step: check the final masks agree across processes, write the summary, plot."""
-        self.progress.close()
-        self.logger.close()
+        self.report.stop_writing()
         final_ranks = compare_masks(self.inner, self.accelerator.num_processes)  # identical masks: None alone
         final_ranks.raise_if_diverged()
         summary = self.summary(final_ranks.identical)
-        if self.main:
-            metrics.write_summary(self.run_dir, **summary)
-            if self.args.plot:
-                plot_run(self.run_dir)
-            print(metrics.format_summary(summary), flush=True)
-            print(f"run directory: {self.run_dir}", flush=True)
+        self.report.write_summary(summary)
         self.close()
         return summary
 
@@ -423,18 +424,15 @@ class Trainer:
             self.rate_key: metrics.window_rate(self.run_dir, self.rate_key) if main else None,
             "hook_share_non_update_steps": self.hook_time / self.step_time if self.step_time else None,
             "processes": acc.num_processes, "ranks_masks_identical": masks_identical,
-            "flops_per_step_dense": self.report.dense_total, "flops_per_step_sparse": self.report.sparse_total,
+            "flops_per_step_dense": self.flops.dense_total, "flops_per_step_sparse": self.flops.sparse_total,
             "step_mode": "cuda_graph" if self.run_step.graph_mode else "eager", **self.run_step.stats(),
             "kernel_choices": blocksparse_tuner.choice_counts(),   # tuned block-sparse products per backend
         }
 
     def close(self) -> None:
-        """The metrics file, progress bar and tracker; the step's graphs, before the process group goes (NCCL
-        waits for graphs holding its ops)."""
-        self.progress.close()
-        self.logger.close()
-        if self.args.wandb:
-            end_tracking(self.accelerator)
+        """The report (metrics file, progress bar, tracker); the step's graphs, before the process group goes
+        (NCCL waits for graphs holding its ops)."""
+        self.report.close()
         self.run_step.invalidate()
         self._closed = True
 

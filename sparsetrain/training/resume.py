@@ -44,6 +44,11 @@ INIT_KEYS = ("model", "sparsity.density", "sparsity.distribution", "sparsity.den
 #: stream's precision)
 INIT_FREE = ("model.seq_len", "model.attn_implementation", "model.fp32_residual")
 INIT_KEY = "trainer.init_from"
+#: Settings a resumed run takes from its own config over the checkpoint's, saying so in one line: what users change
+#: on purpose (a lower learning rate after a divergence, a longer schedule) ...
+APPLIED_KEYS = ("optim.optimizer", "optim.lr_schedule", "optim.warmup_steps", "optim.min_lr_ratio", "trainer.max_steps")
+#: ... except these: the state of another optimizer, or of another grouping of the parameters, cannot carry over.
+REFUSED_KEYS = ("optim.optimizer._target_", "optim.no_decay")
 #: Keys added to the config tree after runs had been saved without them, with the value those runs behaved as:
 #: a stored config that lacks one compares as holding it (a run saved before ``model.fused_qkv`` existed resumes
 #: with ``model.fused_qkv=false``, and is refused with ``true``).
@@ -66,6 +71,8 @@ class StartPlan:
     init_state: dict[str, Any] | None = None
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     replace_metrics: bool = False
+    #: config keys (:data:`APPLIED_KEYS`) whose values this resumed run changes over its checkpoint's
+    applied: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -152,6 +159,27 @@ def check_same_shape(path: Path, state: dict[str, Any], config: dict, key: str =
         more = f" and {len(changed) - 8} more" if len(changed) > 8 else ""
         raise CheckpointError(f"{key}: checkpoint {path} was trained with other model/mask settings: "
                               f"{shown}{more}; {fix}")
+
+
+def changed_settings(path: Path, state: dict[str, Any], config: dict, notes: list[str]) -> list[str]:
+    """The :data:`APPLIED_KEYS` a resumed run changes over its checkpoint's (a line for the log added to
+    ``notes``); :data:`REFUSED_KEYS` changed raise :class:`CheckpointError` naming them."""
+    old = stored_config(path, state)
+    if old is None or not config:
+        return []
+    refused = shape_changes(old, config, REFUSED_KEYS)
+    if refused:
+        shown = ", ".join(f"{k} ({_get(old, k)} -> {_get(config, k)})" for k in refused)
+        raise CheckpointError(f"trainer.resume: checkpoint {path} was trained with another {shown}: its optimizer "
+                              f"state cannot carry over; resume with the checkpoint's value, or start a new run from "
+                              f"its weights and masks with {INIT_KEY}={path}")
+    applied = shape_changes(old, config, APPLIED_KEYS, REFUSED_KEYS)
+    if applied:
+        shown = ", ".join(f"{k} ({_get(old, k)} -> {_get(config, k)})" for k in applied)
+        longer = "; the learning-rate and mask-update schedules follow the new length" \
+            if "trainer.max_steps" in applied else ""
+        notes.append(f"trainer.resume: this run's {shown} replace the checkpoint's{longer}")
+    return applied
 
 
 def _split(processes: int, batch_size: int, grad_accum: int) -> str:
@@ -304,6 +332,7 @@ def decide_start(resume: str | None, run_dir: Path, init_from: str | None, sched
     if plan.state is not None:
         check_compatible(plan.state, plan.path, scheduler)
         check_same_shape(plan.path, plan.state, config)
+        plan.applied = changed_settings(plan.path, plan.state, config, plan.notes)
     if plan.init_state is not None:   # the same model and mask layout; the scheduler is the new run's own
         check_compatible(plan.init_state, plan.init_path, scheduler, key=INIT_KEY, same_scheduler=False)
         check_same_shape(plan.init_path, plan.init_state, config, key=INIT_KEY)
@@ -329,14 +358,19 @@ def prepare_run_dir(run_dir: Path, plan: StartPlan, config: dict) -> None:
     print(f"run directory: {run_dir}", flush=True)
 
 
+#: What to do before continuing a run that stopped, by why it stopped.
+DIVERGED = "change what made it diverge (e.g. a lower optim.optimizer.lr)"
+DISK_FULL = "make room on the disk (or lower trainer.keep_checkpoints)"
+NOT_WRITTEN = "fix what stopped the write"
+
+
 def continue_message(what: str, run_dir: Path, overrides: tuple[str, ...] | list[str],
-                     started_from: Path | None) -> str:
-    """One line for a run stopped by a non-finite value: what happened and how to go on from the last good
-    checkpoint (the run's newest, else the checkpoint it was started from)."""
+                     started_from: Path | None, fix: str = DIVERGED) -> str:
+    """One line for a run that stopped (a non-finite value, a checkpoint it could not write): what happened and
+    how to go on from the last good checkpoint (the run's newest, else the checkpoint it was started from)."""
     last = ckpt.list_checkpoints(run_dir / "checkpoints")
     resume = "auto" if last or started_from is None else str(started_from)
     where = last[-1] if last else started_from
-    fix = "change what made it diverge (e.g. a lower optim.optimizer.lr)"
     if where is None:
         return f"{what}; no checkpoint was written yet: {fix} and start the run again"
     return f"{what}; the last good checkpoint is {where}: {fix} and continue with " \

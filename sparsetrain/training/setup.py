@@ -173,3 +173,19 @@ def plan_kernel_dispatch(model: nn.Module, tokens: int, cpu: bool) -> list[dict]
     from sparsetrain.nn import plan_dispatch
 
     return plan_dispatch(model, tokens)
+
+
+def apply_optimizer_settings(optimizer: torch.optim.Optimizer, lr_sched: torch.optim.lr_scheduler.LambdaLR,
+                             fresh: list[dict], keys: Sequence[str]) -> None:
+    """A resumed run's own settings over the checkpoint's, after both were loaded: ``fresh`` holds this run's
+    param-group values (taken before the load), ``keys`` the changed config keys (``optim.optimizer.lr``...).
+    The learning rate becomes this run's peak times the (this run's) schedule at the checkpoint's step."""
+    names = {k.split(".", 2)[2] for k in keys if k.startswith("optim.optimizer.")}
+    for group, new in zip(optimizer.param_groups, fresh, strict=True):
+        for name in names & set(new):
+            group[name] = new[name]
+        group["initial_lr"] = new["initial_lr"]
+    lr_sched.base_lrs = [new["initial_lr"] for new in fresh]
+    for group, base, factor in zip(optimizer.param_groups, lr_sched.base_lrs, lr_sched.lr_lambdas, strict=True):
+        group["lr"] = base * factor(lr_sched.last_epoch)
+    lr_sched._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -1,6 +1,7 @@
 """Hardening of the loop, in process on a tiny BERT: a NaN stops the run before anything bad is saved or a mask
 update runs; nothing loaded on resume can execute code; a partial run restarts; resume refuses another model or
 mask config, skips a damaged checkpoint and removes leftovers of an interrupted write."""
+import hashlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from sparsetrain.sparsity.layout import Block
 from sparsetrain.sparsity.schedulers import PruneRegrow
 from sparsetrain.training import checkpoint as ckpt
 from sparsetrain.training.checkpoint import CheckpointError
-from sparsetrain.training.guard import NonFiniteLoss
+from sparsetrain.training.guard import NonFiniteLoss, RunStopped
 from sparsetrain.training.loop import RunDirError, train
 from sparsetrain.training.metrics import read_metrics
 from sparsetrain.training.resume import plan_start, shape_changes
@@ -53,6 +54,14 @@ def _spec(poison_after: int | None = None, records: list | None = None, config: 
         sparsify_kwargs=dict(targets=["*"], exclude=list(DEFAULT_EXCLUDE), density=0.5, distribution="uniform",
                              density_overrides=None, block=Block(16, 16), format="masked", init="random", seed=0),
         train_args=TrainArgs(**kw), method="prune_regrow/set", config=dict(config or CONFIG), block_label="16")
+
+
+def _reseal(checkpoint: Path, name: str) -> None:
+    """Record a file's new size and checksum in meta.json, as if the checkpoint had been written with it."""
+    meta = json.loads((checkpoint / ckpt.META_FILE).read_text())
+    meta["files"][name] = (checkpoint / name).stat().st_size
+    meta["sha256"][name] = hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+    (checkpoint / ckpt.META_FILE).write_text(json.dumps(meta))
 
 
 def _steps(run_dir: Path) -> list[str]:
@@ -105,9 +114,7 @@ def test_a_checkpoint_file_that_would_run_code_is_refused(finished_run, tmp_path
     bad = tmp_path / "bad" / "checkpoints" / "step_00000012"
     shutil.copytree(finished_run / "checkpoints" / "step_00000012", bad)
     torch.save({"x": _Payload(marker)}, bad / victim)
-    meta = json.loads((bad / ckpt.META_FILE).read_text())      # sizes agree: only the content is hostile
-    meta["files"][victim] = (bad / victim).stat().st_size
-    (bad / ckpt.META_FILE).write_text(json.dumps(meta))
+    _reseal(bad, victim)                                        # sizes and checksums agree: only the content is hostile
     with pytest.raises(CheckpointError, match="cannot be loaded safely") as err:
         train(_spec(resume=str(bad), max_steps=14), tmp_path / "new")
     assert "\n" not in str(err.value) and victim in str(err.value)
@@ -147,9 +154,7 @@ def test_resume_skips_a_damaged_checkpoint_removes_partial_ones_and_warns_on_wor
     state = torch.load(root / "step_00000008" / ckpt.STATE_FILE, weights_only=True)
     state["args"]["batch_size"] = 2                           # as if 2 processes x 2: the same global batch
     torch.save({**state, "processes": 2}, root / "step_00000008" / ckpt.STATE_FILE)
-    meta = json.loads((root / "step_00000008" / ckpt.META_FILE).read_text())
-    meta["files"][ckpt.STATE_FILE] = (root / "step_00000008" / ckpt.STATE_FILE).stat().st_size
-    (root / "step_00000008" / ckpt.META_FILE).write_text(json.dumps(meta))
+    _reseal(root / "step_00000008", ckpt.STATE_FILE)
     (root / "step_00000099").mkdir()                            # a rotation or write killed half-way
     (root / "step_00000099" / ckpt.MODEL_FILE).write_bytes(b"partial")
     (root / ".tmp_step_00000100").mkdir()
@@ -206,3 +211,91 @@ def test_resuming_a_finished_run_keeps_its_final_eval_loss(tmp_path):
     again = train(_spec(eval_every=6, resume="auto"), d)        # resumed at its last checkpoint (step 12): no steps
     assert again["steps"] == 12 and again["final_eval_loss"] == first["final_eval_loss"]
     assert json.loads((d / "summary.json").read_text())["final_eval_loss"] == first["final_eval_loss"]
+
+
+@pytest.mark.parametrize("victim", [ckpt.MODEL_FILE, "rng_state_0.pt"])
+def test_corruption_of_the_same_size_is_caught_and_resume_takes_the_checkpoint_before(finished_run, tmp_path,
+                                                                                      capsys, victim):
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    (d / "summary.json").unlink()
+    f = d / "checkpoints" / "step_00000012" / victim
+    f.write_bytes(os.urandom(f.stat().st_size))                 # same size: only the checksum can tell
+    with pytest.raises(CheckpointError, match="does not match the SHA-256") as err:   # named: refused in one line
+        train(_spec(resume=str(f.parent), max_steps=14), tmp_path / "other")
+    assert "\n" not in str(err.value) and victim in str(err.value) and not (tmp_path / "other").exists()
+    summary = train(_spec(resume="auto", max_steps=12), d)       # auto: skipped for the one before
+    out = capsys.readouterr().out
+    assert "skipping damaged checkpoint" in out and "does not match the SHA-256" in out and "at step 8" in out
+    assert summary["steps"] == 12 and (d / "checkpoints" / ".damaged_step_00000012").is_dir()
+
+
+def test_a_full_disk_stops_in_one_line_with_the_resume_command_and_keeps_the_good_checkpoints(tmp_path,
+                                                                                             monkeypatch):
+    real_save, d = torch.save, tmp_path / "run"
+
+    def save(obj, path, *a, **k):   # what torch raises when the disk fills while it writes a zip
+        if "step_00000008" in str(path) and Path(path).name == ckpt.MODEL_FILE:
+            Path(path).write_bytes(b"half")
+            raise RuntimeError("basic_ios::clear: iostream error")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", save)
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 2**20, 2**20))
+    with pytest.raises(RunStopped) as err:
+        train(_spec(), d)
+    msg = str(err.value)
+    assert "\n" not in msg and err.value.exit_code == 1
+    assert "no space left on the device" in msg and "step_00000008" in msg and "1 MiB free" in msg
+    assert "the last good checkpoint is" in msg and "step_00000004" in msg and "trainer.resume=auto" in msg
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_00000004"]   # nothing half-written
+    monkeypatch.undo()                                           # room made: the printed command continues
+    assert train(_spec(resume="auto"), d)["steps"] == 12
+
+
+def test_a_checkpoint_of_a_step_already_there_is_replaced_not_skipped(finished_run, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    (d / "summary.json").unlink()
+    old = torch.load(d / "checkpoints/step_00000012" / ckpt.MODEL_FILE, weights_only=True)
+    changed = {**CONFIG, "optim": {"optimizer": {"lr": 5e-3}}}   # continue from step 8 on another path
+    spec = _spec(resume=str(d / "checkpoints/step_00000008"), config=changed)
+    spec.build_optimizer = optimizer_factory(torch.optim.AdamW, {"lr": 5e-3})
+    train(spec, d)
+    new = torch.load(d / "checkpoints/step_00000012" / ckpt.MODEL_FILE, weights_only=True)
+    assert any(not torch.equal(old[k], new[k]) for k in old)     # the new run's step 12, not the old one's
+    ckpt.check_intact(d / "checkpoints/step_00000012")
+    assert sorted(p.name for p in (d / "checkpoints").iterdir()) == ["step_00000008", "step_00000012"]
+
+
+def test_resume_applies_a_changed_learning_rate_and_says_so(finished_run, tmp_path, capsys):
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    (d / "summary.json").unlink()
+    changed = {**CONFIG, "optim": {"optimizer": {"lr": 2e-3}}}
+    spec = _spec(resume=str(d / "checkpoints/step_00000008"), config=changed, log_every=1, lr_schedule="constant")
+    spec.build_optimizer = optimizer_factory(torch.optim.AdamW, {"lr": 2e-3})
+    train(spec, d)
+    assert "this run's optim.optimizer.lr (0.001 -> 0.002) replace the checkpoint's" in capsys.readouterr().out
+    assert {r["lr"] for r in read_metrics(d) if "loss" in r and r["step"] > 8} == {2e-3}
+    opt = torch.load(d / "checkpoints/step_00000012" / ckpt.OPTIMIZER_FILE, weights_only=True)
+    assert {g["initial_lr"] for g in opt["param_groups"]} == {2e-3}
+
+
+def test_resume_refuses_another_optimizer_naming_the_key_before_touching_the_run(finished_run, tmp_path):
+    d = tmp_path / "run"
+    shutil.copytree(finished_run, d)
+    (d / "summary.json").unlink()
+    before = (d / "config.yaml").read_text()
+    changed = {**CONFIG, "optim": {"optimizer": {"_target_": "torch.optim.SGD", "lr": 1e-3, "momentum": 0.9}}}
+    old = {**CONFIG, "optim": {"optimizer": {"_target_": "torch.optim.AdamW", "lr": 1e-3}}}
+    state = torch.load(d / "checkpoints/step_00000012" / ckpt.STATE_FILE, weights_only=True)
+    torch.save({**state, "config": old}, d / "checkpoints/step_00000012" / ckpt.STATE_FILE)
+    _reseal(d / "checkpoints/step_00000012", ckpt.STATE_FILE)
+    spec = _spec(resume="auto", max_steps=16, config=changed)
+    spec.build_optimizer = optimizer_factory(torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9})
+    with pytest.raises(CheckpointError) as err:
+        train(spec, d)
+    msg = str(err.value)
+    assert "\n" not in msg and "optim.optimizer._target_ ('torch.optim.AdamW' -> 'torch.optim.SGD')" in msg
+    assert "trainer.init_from=" in msg and (d / "config.yaml").read_text() == before

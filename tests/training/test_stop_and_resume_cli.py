@@ -98,3 +98,26 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_line(tmp_path):
     assert r.returncode == 2 and not marker.exists()
     err = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and "cannot be loaded safely" in err[0], r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_that_fails_in_torch_ends_in_one_line(tmp_path):
+    """A real failed write inside torch.save's C++ writer (files capped at 1 MB: the checkpoint's optimizer file
+    is larger) ends the run in one line with exit 1, leaving no half-written checkpoint."""
+    import resource
+    import signal
+
+    def cap_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    run = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "sparsetrain.cli", "train", "recipe=quickstart", "logger=quiet",
+                        "trainer.max_steps=8", "trainer.checkpoint_every=4", "trainer.eval_every=0", *TINY,
+                        f"hydra.run.dir={run}"], cwd=ROOT, preexec_fn=cap_files, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: could not write step_00000004"), r.stderr[-2000:]
+    assert "MiB free" in lines[0] and "no checkpoint was written yet" in lines[0]
+    assert list((run / "checkpoints").iterdir()) == []
