@@ -8,7 +8,7 @@
   1 (the same per-GPU batch and settings, so the same step mode where both can replay CUDA graphs; target >=
   1.85x). A short check updates masks every ~20 steps where its recipe updates every ~625, so the target is taken
   on what a full-length run gets: the rate of the update-free windows with each update's measured cost spread
-  over the recipe's own interval (``sparsetrain.bench.e2e.steady_rate``); the windows' median is printed too.
+  over the recipe's own interval (``sparsetrain.bench._e2e_report.steady_rate``); the windows' median is printed too.
 * fsdp: ``bert_rigl`` under FSDP2 (full shard, one group per BertLayer): masks identical at every update, and
   its losses follow the DDP run's (bf16: within 2%).
 * resume: the FSDP and the DDP run's middle checkpoints continue on one GPU with ``trainer.grad_accum=2`` (the
@@ -26,7 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sparsetrain.bench.e2e import Variant, read_run, recipe_facts, steady_rate
+from sparsetrain.bench._e2e_report import steady_rate
+from sparsetrain.bench._e2e_runs import read_run
+from sparsetrain.bench._e2e_variants import Variant, recipe_facts
 
 FSDP = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_cpu_ram_efficient_loading", "false",
         "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "BertLayer",

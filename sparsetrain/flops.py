@@ -161,6 +161,38 @@ def count_step_flops(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     config = getattr(model, "config", None)
+    is_vision, image_size, seq_tokens = _step_tokens(config, seq_len, image_size)
+    tokens = batch_size * seq_tokens
+    head: tuple[str, ...] = ()
+    if predictions_per_seq is not None:
+        if is_vision or not 1 <= predictions_per_seq <= seq_tokens:
+            raise ValueError(f"predictions_per_seq must be in [1, seq_len={seq_tokens}] for a text model, "
+                             f"got {predictions_per_seq}")
+        head = tuple(getattr(model, "masked_positions_modules", ()))
+
+    rows = _layer_rows(model, batch_size, tokens, head, predictions_per_seq, is_vision, image_size)
+    attention = _attention_flops(config, batch_size, seq_tokens)
+
+    rigl_extra = sum(
+        2 * r.tokens * r.in_features * r.out_features * (1.0 - r.density)  # step 4
+        for r in rows
+        if r.density < 1.0
+    )
+    return FlopReport(
+        rows=rows,
+        attention_flops=attention,
+        dense_total=sum(r.dense_flops for r in rows) + attention,
+        sparse_total=sum(r.sparse_flops for r in rows) + attention,
+        rigl_update_extra=float(rigl_extra),
+        batch_size=batch_size,
+        seq_tokens=seq_tokens,
+        predictions_per_seq=predictions_per_seq if head else None,
+    )
+
+
+def _step_tokens(config, seq_len: int | None, image_size: int | None) -> tuple[bool, int | None, int]:
+    """``(is_vision, image_size, seq_tokens)``: a vision model (a config with ``image_size`` and ``patch_size``)
+    sees its patches plus [CLS] per image, at ``image_size`` or the config's; a text model ``seq_len`` tokens."""
     patch_size = getattr(config, "patch_size", None)
     is_vision = patch_size is not None and getattr(config, "image_size", None) is not None
     if is_vision:
@@ -173,14 +205,13 @@ def count_step_flops(
         if seq_len is None or seq_len < 1:
             raise ValueError(f"seq_len (>= 1) is required for a text model, got {seq_len}")
         seq_tokens = seq_len
-    tokens = batch_size * seq_tokens
-    head: tuple[str, ...] = ()
-    if predictions_per_seq is not None:
-        if is_vision or not 1 <= predictions_per_seq <= seq_tokens:
-            raise ValueError(f"predictions_per_seq must be in [1, seq_len={seq_tokens}] for a text model, "
-                             f"got {predictions_per_seq}")
-        head = tuple(getattr(model, "masked_positions_modules", ()))
+    return is_vision, image_size, seq_tokens
 
+
+def _layer_rows(model: nn.Module, batch_size: int, tokens: int, head: tuple[str, ...],
+                predictions_per_seq: int | None, is_vision: bool, image_size: int | None) -> list[LayerFlops]:
+    """One row per matmul layer and ViT patch embedding of ``model`` (steps 1-4, 6, 7, 11); ``head``: the
+    modules that run on ``predictions_per_seq`` positions per sequence."""
     rows: list[LayerFlops] = []
     counted: list[str] = []
     for name, module in model.named_modules():
@@ -223,28 +254,17 @@ def count_step_flops(
                 sparse_flops=float(dense * density),
             )
         )
+    return rows
 
+
+def _attention_flops(config, batch_size: int, seq_tokens: int) -> float:
+    """Step 5: the attention matmuls of all layers (0 for a model without ``num_attention_heads``)."""
     attention = 0.0
     heads = getattr(config, "num_attention_heads", None)
     if heads:  # step 5
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         attention = float(12 * batch_size * seq_tokens**2 * heads * head_dim * config.num_hidden_layers)
-
-    rigl_extra = sum(
-        2 * r.tokens * r.in_features * r.out_features * (1.0 - r.density)  # step 4
-        for r in rows
-        if r.density < 1.0
-    )
-    return FlopReport(
-        rows=rows,
-        attention_flops=attention,
-        dense_total=sum(r.dense_flops for r in rows) + attention,
-        sparse_total=sum(r.sparse_flops for r in rows) + attention,
-        rigl_update_extra=float(rigl_extra),
-        batch_size=batch_size,
-        seq_tokens=seq_tokens,
-        predictions_per_seq=predictions_per_seq if head else None,
-    )
+    return attention
 
 
 def step_flops(report: FlopReport, is_update_step: bool, dense_grad: bool) -> float:

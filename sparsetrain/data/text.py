@@ -173,6 +173,60 @@ def build_mlm_data(
                    parts=parts)
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
 
+    identity, files = _source_identity(source, files, hub_name, hub_config, text_column, val_plays, val_fraction,
+                                       parts)
+
+    folder = (
+        root
+        / "mlm"
+        / _cache_key(
+            identity=identity,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size if tokenizer == "wordpiece" else None,
+        )
+    )
+    packed_path = folder / f"packed-{seq_len}.pt"
+    if packed_path.is_file():
+        # The packed file carries the tokenizer that made it: WordPiece training is not bit-identical
+        # from run to run, and a concurrent build may have replaced tokenizer.json meanwhile.
+        packed = torch.load(packed_path, weights_only=True)
+        hf_tokenizer = load_tokenizer(tokenizer, packed["tokenizer_json"], seq_len)
+    else:
+        train_docs, eval_docs = _source_documents(source, files, hub_name, hub_config, text_column, val_plays,
+                                                  val_fraction, parts, root)
+        packed, hf_tokenizer = _tokenize_and_pack(train_docs, eval_docs, folder, tokenizer, vocab_size, seq_len)
+        atomic_write(packed_path, lambda p: torch.save(packed, p))  # concurrent builders: the last wins
+
+    train_ids = _train_ids(packed, max_train_sequences, seed, seq_len)
+
+    vocab = len(hf_tokenizer)
+    collator = MLMCollator(
+        mask_token_id=hf_tokenizer.mask_token_id,
+        vocab_size=vocab,
+        special_ids=hf_tokenizer.all_special_ids,
+        mlm_probability=mlm_probability,
+        seed=seed,
+        max_predictions=max_predictions,
+        emit_positions=emit_positions,
+    )
+    return MLMData(
+        train=PackedSequences(train_ids),
+        eval=PackedSequences(packed["eval"]),
+        tokenizer=hf_tokenizer,
+        collator=collator,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        predictions_per_seq=mlm_predictions_per_seq(seq_len, mlm_probability, max_predictions, emit_positions),
+        train_documents=list(packed["train_documents"]),
+        eval_documents=list(packed["eval_documents"]),
+    )
+
+
+def _source_identity(source: str, files: Sequence[str] | str | None, hub_name: str | None, hub_config: str | None,
+                     text_column: str, val_plays: Sequence[str], val_fraction: float,
+                     parts: Sequence[str] | None) -> tuple[dict, Sequence[str] | str | None]:
+    """What identifies :func:`build_mlm_data`'s training text in the cache key, and ``files`` as a list (for
+    ``source="files"``; as given otherwise)."""
     if source == "shakespeare":
         if not val_plays:
             raise ValueError("val_plays must name at least one play to hold out")
@@ -196,56 +250,58 @@ def build_mlm_data(
             "text_column": text_column,
             "val_fraction": val_fraction,
         }
+    return identity, files
 
-    folder = (
-        root
-        / "mlm"
-        / _cache_key(
-            identity=identity,
-            tokenizer=tokenizer,
-            vocab_size=vocab_size if tokenizer == "wordpiece" else None,
-        )
-    )
-    packed_path = folder / f"packed-{seq_len}.pt"
-    if packed_path.is_file():
-        # The packed file carries the tokenizer that made it: WordPiece training is not bit-identical
-        # from run to run, and a concurrent build may have replaced tokenizer.json meanwhile.
-        packed = torch.load(packed_path, weights_only=True)
-        hf_tokenizer = load_tokenizer(tokenizer, packed["tokenizer_json"], seq_len)
+
+def _source_documents(source: str, files: Sequence[str] | None, hub_name: str | None, hub_config: str | None,
+                      text_column: str, val_plays: Sequence[str], val_fraction: float,
+                      parts: Sequence[str] | None, root: Path) -> tuple[list, list]:
+    """The (train, held-out) ``(name, text)`` documents of :func:`build_mlm_data`'s source."""
+    if source == "shakespeare":
+        train_docs, eval_docs = shakespeare_documents(val_plays, root / "corpora")
+    elif source == "english_large":
+        train_docs, eval_docs = english_large_documents(parts, val_fraction, root / "corpora")
+    elif source == "files":
+        train_docs, eval_docs = file_documents(files, text_column, val_fraction, root)
     else:
-        if source == "shakespeare":
-            train_docs, eval_docs = shakespeare_documents(val_plays, root / "corpora")
-        elif source == "english_large":
-            train_docs, eval_docs = english_large_documents(parts, val_fraction, root / "corpora")
-        elif source == "files":
-            train_docs, eval_docs = file_documents(files, text_column, val_fraction, root)
-        else:
-            train_docs, eval_docs = hub_documents(hub_name, hub_config, text_column, val_fraction)
-        tokenizer_json = None
-        if tokenizer == "wordpiece":
-            tok_path = folder / "tokenizer.json"  # shared by the packings at other seq_lens
-            if tok_path.is_file():
-                tokenizer_json = tok_path.read_text(encoding="utf-8")
-            else:
-                tokenizer_json = train_wordpiece([text for _, text in train_docs], vocab_size).to_str()
-                atomic_write_text(tok_path, tokenizer_json)
-        hf_tokenizer = load_tokenizer(tokenizer, tokenizer_json, seq_len)
-        cls_id, sep_id = hf_tokenizer.cls_token_id, hf_tokenizer.sep_token_id
-        # int16 where the vocabulary fits (halves the cache: english_large at 128 is ~42 MB instead of ~85 MB);
-        # items are read as int64 (PackedSequences), older int32 caches load as they are
-        narrow = torch.int16 if len(hf_tokenizer) <= torch.iinfo(torch.int16).max else torch.int32
-        packed = {
-            split: pack_documents(encode_documents(hf_tokenizer, [t for _, t in docs]), seq_len, cls_id,
-                                  sep_id).to(narrow)
-            for split, docs in (("train", train_docs), ("eval", eval_docs))
-        }
-        packed.update(
-            train_documents=[n for n, _ in train_docs],
-            eval_documents=[n for n, _ in eval_docs],
-            tokenizer_json=tokenizer_json,
-        )
-        atomic_write(packed_path, lambda p: torch.save(packed, p))  # concurrent builders: the last wins
+        train_docs, eval_docs = hub_documents(hub_name, hub_config, text_column, val_fraction)
+    return train_docs, eval_docs
 
+
+def _tokenize_and_pack(train_docs: list, eval_docs: list, folder: Path, tokenizer: str, vocab_size: int,
+                       seq_len: int) -> tuple[dict, PreTrainedTokenizerFast]:
+    """What ``packed-<seq_len>.pt`` holds (both splits packed, their document names, the tokenizer's json) and
+    the tokenizer: ``"wordpiece"`` is trained on the training text (or read from ``folder/tokenizer.json``), any
+    other name is loaded as it is."""
+    tokenizer_json = None
+    if tokenizer == "wordpiece":
+        tok_path = folder / "tokenizer.json"  # shared by the packings at other seq_lens
+        if tok_path.is_file():
+            tokenizer_json = tok_path.read_text(encoding="utf-8")
+        else:
+            tokenizer_json = train_wordpiece([text for _, text in train_docs], vocab_size).to_str()
+            atomic_write_text(tok_path, tokenizer_json)
+    hf_tokenizer = load_tokenizer(tokenizer, tokenizer_json, seq_len)
+    cls_id, sep_id = hf_tokenizer.cls_token_id, hf_tokenizer.sep_token_id
+    # int16 where the vocabulary fits (halves the cache: english_large at 128 is ~42 MB instead of ~85 MB);
+    # items are read as int64 (PackedSequences), older int32 caches load as they are
+    narrow = torch.int16 if len(hf_tokenizer) <= torch.iinfo(torch.int16).max else torch.int32
+    packed = {
+        split: pack_documents(encode_documents(hf_tokenizer, [t for _, t in docs]), seq_len, cls_id,
+                              sep_id).to(narrow)
+        for split, docs in (("train", train_docs), ("eval", eval_docs))
+    }
+    packed.update(
+        train_documents=[n for n, _ in train_docs],
+        eval_documents=[n for n, _ in eval_docs],
+        tokenizer_json=tokenizer_json,
+    )
+    return packed, hf_tokenizer
+
+
+def _train_ids(packed: dict, max_train_sequences: int | None, seed: int, seq_len: int) -> torch.Tensor:
+    """The packed training sequences, a seeded random subset of ``max_train_sequences`` of them (in their
+    order) where that is fewer; raises when either split is empty."""
     train_ids = packed["train"]
     if max_train_sequences is not None and max_train_sequences < len(train_ids):
         keep = torch.randperm(len(train_ids), generator=torch.Generator().manual_seed(seed))[
@@ -257,28 +313,7 @@ def build_mlm_data(
             f"seq_len={seq_len} leaves too little text: {len(train_ids)} train and "
             f"{len(packed['eval'])} eval sequences"
         )
-
-    vocab = len(hf_tokenizer)
-    collator = MLMCollator(
-        mask_token_id=hf_tokenizer.mask_token_id,
-        vocab_size=vocab,
-        special_ids=hf_tokenizer.all_special_ids,
-        mlm_probability=mlm_probability,
-        seed=seed,
-        max_predictions=max_predictions,
-        emit_positions=emit_positions,
-    )
-    return MLMData(
-        train=PackedSequences(train_ids),
-        eval=PackedSequences(packed["eval"]),
-        tokenizer=hf_tokenizer,
-        collator=collator,
-        vocab_size=vocab,
-        seq_len=seq_len,
-        predictions_per_seq=mlm_predictions_per_seq(seq_len, mlm_probability, max_predictions, emit_positions),
-        train_documents=list(packed["train_documents"]),
-        eval_documents=list(packed["eval_documents"]),
-    )
+    return train_ids
 
 
 build_mlm_data.check_args = check_mlm_args  # what sparsetrain.config calls before anything is built

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from sparsetrain.kernels.blocksparse.op import block_sparse_linear_parts, parts_native_for
+from sparsetrain.kernels.blocksparse.parts import block_sparse_linear_parts, parts_native_for
 from sparsetrain.kernels.blocksparse.plans import PARTS
 from sparsetrain.nn.formats.block import BlockFormat, runs_block_ops
 

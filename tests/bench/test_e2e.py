@@ -10,6 +10,9 @@ import torch
 
 from sparsetrain.bench import BENCHES, e2e
 from sparsetrain.bench import _e2e_breakdown as bd
+from sparsetrain.bench import _e2e_report as e2e_report
+from sparsetrain.bench import _e2e_runs as e2e_runs
+from sparsetrain.bench import _e2e_variants as e2e_variants
 
 
 # ---- arguments and overrides --------------------------------------------------------------------------
@@ -22,8 +25,9 @@ def test_defaults_and_recipe_map():
     args = e2e.parse_args(["--recipe-map", "dense=quickstart:sparsity=dense trainer=cpu_small",
                            "--recipe-map", "tiny=quickstart", "--variants", "dense,tiny", "--modes", "eager",
                            "--extra", "+model.attention_probs_dropout_prob=0.0 trainer.seed=1", "--breakdown", "none"])
-    assert args.variant_list == [e2e.Variant("dense", "quickstart", ("sparsity=dense", "trainer=cpu_small")),
-                                 e2e.Variant("tiny", "quickstart")]
+    Variant = e2e_variants.Variant
+    assert args.variant_list == [Variant("dense", "quickstart", ("sparsity=dense", "trainer=cpu_small")),
+                                 Variant("tiny", "quickstart")]
     assert args.modes == ["eager"] and args.breakdown == []
     assert args.extra == ["+model.attention_probs_dropout_prob=0.0", "trainer.seed=1"]
     vit = e2e.parse_args(["--model", "vit"])
@@ -41,23 +45,23 @@ def test_bad_arguments_exit(argv):
 def test_run_overrides_merge_by_key():
     args = e2e.parse_args(["--steps", "80", "--extra", "trainer.max_steps=90 +model.x=1"])
     facts = {"text": True, "dynamic": True, "has_interval": True, "start": 0.0, "end": 1.0}
-    v = e2e.Variant("d", "bert_phase1_dynamic", ("trainer=cpu_small",))
-    ov = e2e.run_overrides(v, "graph", args, facts)
+    v = e2e_variants.Variant("d", "bert_phase1_dynamic", ("trainer=cpu_small",))
+    ov = e2e_variants.run_overrides(v, "graph", args, facts)
     assert ov[0] == "recipe=bert_phase1_dynamic"
     assert "trainer=cpu_small" in ov and "trainer=gpu" not in ov          # the variant's group replaces the bench's
     assert "trainer.max_steps=90" in ov and "trainer.max_steps=80" not in ov  # --extra comes last
     assert {"trainer.cuda_graph=true", "data.seq_len=128", "+model.x=1", "sparsity.scheduler.interval=null",
             "sparsity.scheduler.num_updates=4"} <= set(ov)
-    eager = e2e.run_overrides(e2e.Variant("s", "vit_digits"), "eager", args, {"text": False})
+    eager = e2e_variants.run_overrides(e2e_variants.Variant("s", "vit_digits"), "eager", args, {"text": False})
     assert "trainer.cuda_graph=false" in eager and not any("seq_len" in o or "num_updates" in o for o in eager)
     assert "trainer.compile=false" in eager and "trainer.compile=false" in ov
-    compiled = e2e.run_overrides(v, "compiled", args, facts)
+    compiled = e2e_variants.run_overrides(v, "compiled", args, facts)
     assert {"trainer.cuda_graph=true", "trainer.compile=true"} <= set(compiled)
 
 
 def test_auto_updates_fall_inside_windows_with_update_free_windows_left():
-    n = e2e.auto_updates(80, 10)
-    ups = e2e.update_steps(n, 80)
+    n = e2e_variants.auto_updates(80, 10)
+    ups = e2e_variants.update_steps(n, 80)
     assert ups == [16, 32, 48, 64]
     windows = {(u - 1) // 10 for u in ups}
     assert all(u > 10 and (u + 2 - 1) // 10 == (u - 1) // 10 for u in ups)  # update, eager step, re-capture
@@ -65,11 +69,12 @@ def test_auto_updates_fall_inside_windows_with_update_free_windows_left():
 
 
 def test_recipe_facts_read_the_unmodified_recipe():
-    f = e2e.recipe_facts(e2e.Variant("d", "bert_phase1_dynamic"))
+    f = e2e_variants.recipe_facts(e2e_variants.Variant("d", "bert_phase1_dynamic"))
     assert f["dynamic"] and f["recipe_steps"] == 100000 and f["recipe_num_updates"] == 160
     assert f["recipe_interval"] == 100000 / 160 and f["text"]
-    assert not e2e.recipe_facts(e2e.Variant("s", "bert_static"))["dynamic"]
-    assert not e2e.recipe_facts(e2e.Variant("v", "vit_24_sparse_then_dense", ("sparsity=dense",)))["text"]
+    assert not e2e_variants.recipe_facts(e2e_variants.Variant("s", "bert_static"))["dynamic"]
+    v = e2e_variants.Variant("v", "vit_24_sparse_then_dense", ("sparsity=dense",))
+    assert not e2e_variants.recipe_facts(v)["text"]
 
 
 # ---- the table, on hand-written run directories ---------------------------------------------------------
@@ -97,8 +102,8 @@ def fake_run(path, window_s, peak=None, updates=(), captures=0, eager=80, items=
 def test_table_ratios_and_update_cost(tmp_path):
     def run(name, mode, window_s, peak, **kw):
         extra = {k: kw.pop(k) for k in ("dynamic", "recipe_interval", "items_per_step") if k in kw}
-        return {"variant": name, "mode": mode, **extra, **e2e.read_run(fake_run(tmp_path / f"{name}-{mode}",
-                                                                                window_s, peak, **kw))}
+        return {"variant": name, "mode": mode, **extra,
+                **e2e_runs.read_run(fake_run(tmp_path / f"{name}-{mode}", window_s, peak, **kw))}
 
     # update windows (2, 4, 5, 7) take 0.5 s more than the 1.0 s of update-free ones; window 1 is warm-up
     dyn = [5.0, 1.5, 1.0, 1.5, 1.5, 1.0, 1.5, 1.0]
@@ -109,7 +114,7 @@ def test_table_ratios_and_update_cost(tmp_path):
             run("dyn", "graph", dyn, 6.0, updates=[16, 32, 48, 64], captures=5, eager=9, dynamic=True,
                 recipe_interval=625.0),
             {"variant": "broken", "mode": "graph", "error": "CUDA out of memory"}]
-    rows = {(r["variant"], r["mode"]): r for r in e2e.build_table(runs, gemm_tflops=600.0)}
+    rows = {(r["variant"], r["mode"]): r for r in e2e_report.build_table(runs, gemm_tflops=600.0)}
     # 10,000 tokens/s of 500-token steps of 3e12 FLOPs: 60 TFLOP/s, 10% of the GEMM rate; no count: no column
     assert rows["dense", "graph"]["model_tflops"] == pytest.approx(60.0)
     assert rows["dense", "graph"]["of_gemm"] == pytest.approx(0.1)
@@ -128,7 +133,7 @@ def test_table_ratios_and_update_cost(tmp_path):
     assert rows["dyn", "graph"]["x_dense"] < 0.9   # the benchmark's own run, updating every 16 steps
     assert "update" not in rows["static", "graph"] and "x_dense_at_interval" not in rows["static", "graph"]
 
-    text = e2e.format_table(list(rows.values()))
+    text = e2e_report.format_table(list(rows.values()))
     assert "error: CUDA out of memory" in text and "0.80% /625" in text and "500.0" in text
     assert text.splitlines()[0].split()[-3:] == ["x", "dense", "run"]
     assert [ln.split()[-1] for ln in text.splitlines() if ln.startswith("dyn")] == ["0.992"]
@@ -149,7 +154,7 @@ def test_plot_shows_a_dynamic_variant_at_the_recipe_interval(tmp_path, monkeypat
                         or real_bar(self, xs, vals, *a, **k))
     rows = [{"variant": "dense", "mode": "compiled", "x_dense_best": 1.0},
             {"variant": "dyn", "mode": "compiled", "x_dense_best": 0.8, "x_dense_at_interval": 1.12}]
-    e2e.plot(rows, str(tmp_path / "p.png"), "t")
+    e2e_report.plot(rows, str(tmp_path / "p.png"), "t")
     assert drawn == [[1.0, 1.12]] and (tmp_path / "p.png").stat().st_size > 5_000
 
 
@@ -165,23 +170,23 @@ def test_peak_is_the_steady_state_footprint_beside_the_startup_windows(tmp_path)
         row.update(reserved_gb=peak, peak_mem_gb=3.0)
     rows[0]["startup"] = True
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    new = e2e.read_run(run)
+    new = e2e_runs.read_run(run)
     assert (new["peak_gb"], new["startup_peak_gb"]) == (5.5, 9.0)
 
-    old = e2e.read_run(fake_run(tmp_path / "old", [4.0, 1.0, 1.0, 1.0], peak=8.0))   # peak_mem_gb only
+    old = e2e_runs.read_run(fake_run(tmp_path / "old", [4.0, 1.0, 1.0, 1.0], peak=8.0))   # peak_mem_gb only
     assert (old["peak_gb"], old["startup_peak_gb"]) == (8.0, 8.0)
     one = fake_run(tmp_path / "one", [4.0])                                         # a single (startup) window
     (one / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0, "tokens_per_s": 2500.0, "elapsed_s": 4.0,
                                                    "peak_mem_gb": 7.0, "reserved_gb": 7.5, "startup": True}))
-    single = e2e.read_run(one)
+    single = e2e_runs.read_run(one)
     assert (single["peak_gb"], single["startup_peak_gb"]) == (7.0, 7.5)
-    assert e2e.read_run(fake_run(tmp_path / "cpu", [4.0, 1.0]))["peak_gb"] is None
+    assert e2e_runs.read_run(fake_run(tmp_path / "cpu", [4.0, 1.0]))["peak_gb"] is None
 
     resumed = {k: v for k, v in old.items() if k != "startup_peak_gb"}
-    table = e2e.build_table([{"variant": "dense", "mode": "graph", **resumed},
-                             {"variant": "sparse", "mode": "graph", **new}])
+    table = e2e_report.build_table([{"variant": "dense", "mode": "graph", **resumed},
+                                    {"variant": "sparse", "mode": "graph", **new}])
     assert table[1]["x_dense_mem"] == pytest.approx(5.5 / 8.0) and table[1]["startup_peak_gb"] == 9.0
-    lines = e2e.format_table(table).splitlines()
+    lines = e2e_report.format_table(table).splitlines()
     head = [c.strip() for c in lines[0].split("  ") if c.strip()]
     assert head[head.index("x mem") + 1] == "startup GB"
     dense, sparse = (dict(zip(head, ln.split(), strict=True)) for ln in lines[2:])
@@ -193,25 +198,26 @@ def test_steady_rate_takes_update_free_windows_and_spreads_updates_over_the_reci
     """A short run's update-heavy schedule does not set its throughput: the clean windows' rate, and that rate
     with one update's cost spread over the recipe's own interval."""
     # 1000 tokens per step (fake_run's items); update windows (2, 4, 5, 7) 0.5 s slower than the 1.0 s clean ones
-    run = e2e.read_run(fake_run(tmp_path / "dyn", [5.0, 1.5, 1.0, 1.5, 1.5, 1.0, 1.5, 1.0], updates=[16, 32, 48, 64]))
-    st = e2e.steady_rate(run, interval=625.0)
+    run = e2e_runs.read_run(fake_run(tmp_path / "dyn", [5.0, 1.5, 1.0, 1.5, 1.5, 1.0, 1.5, 1.0],
+                                     updates=[16, 32, 48, 64]))
+    st = e2e_report.steady_rate(run, interval=625.0)
     assert st["clean_rate"] == pytest.approx(10_000.0)         # windows 3, 6, 8: 10 steps of 1000 tokens per 1.0 s
     assert st["update_s"] == pytest.approx(0.5)
     assert st["rate_at_interval"] == pytest.approx(10_000.0 / (1 + 0.5 / (625 * 0.1)))
-    assert e2e.steady_rate(run, interval=None)["rate_at_interval"] == pytest.approx(10_000.0)
-    static = e2e.read_run(fake_run(tmp_path / "static", [5.0] + [2.0] * 7))
-    assert e2e.steady_rate(static, None) == {"clean_rate": pytest.approx(5000.0),
-                                             "rate_at_interval": pytest.approx(5000.0), "interval": None}
-    assert e2e.steady_rate(e2e.read_run(fake_run(tmp_path / "short", [5.0])), None) is None
+    assert e2e_report.steady_rate(run, interval=None)["rate_at_interval"] == pytest.approx(10_000.0)
+    static = e2e_runs.read_run(fake_run(tmp_path / "static", [5.0] + [2.0] * 7))
+    assert e2e_report.steady_rate(static, None) == {"clean_rate": pytest.approx(5000.0),
+                                                    "rate_at_interval": pytest.approx(5000.0), "interval": None}
+    assert e2e_report.steady_rate(e2e_runs.read_run(fake_run(tmp_path / "short", [5.0])), None) is None
 
 
 def test_update_cost_leaves_out_warmup_and_aftermath_windows():
     windows = [[10, 10, 9.0], [20, 10, 1.3], [30, 10, 1.2], [40, 10, 1.0], [50, 10, 1.0]]
     # update at 20 (end of window 2): its eager step and re-capture land in window 3, which counts for neither
-    cost = e2e.update_cost(windows, [20])
+    cost = e2e_report.update_cost(windows, [20])
     assert (cost["update_windows"], cost["clean_windows"]) == (1, 2)
     assert cost["update_s"] == pytest.approx(0.3)
-    assert e2e.update_cost(windows, []) is None and e2e.update_cost(windows[:2], [15]) is None
+    assert e2e_report.update_cost(windows, []) is None and e2e_report.update_cost(windows[:2], [15]) is None
 
 
 # ---- the breakdown --------------------------------------------------------------------------------------
@@ -292,7 +298,9 @@ def test_module_is_cheap_to_import():
     code = ("import sys, sparsetrain; a = set(sys.modules); import sparsetrain.bench.e2e; "
             "print(sorted(set(sys.modules) - a))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['sparsetrain.bench', 'sparsetrain.bench._child', 'sparsetrain.bench._e2e_breakdown', 'sparsetrain.bench.e2e']"
+    assert out.strip() == ("['sparsetrain.bench', 'sparsetrain.bench._child', 'sparsetrain.bench._e2e_breakdown', "
+                           "'sparsetrain.bench._e2e_report', 'sparsetrain.bench._e2e_runs', "
+                           "'sparsetrain.bench._e2e_variants', 'sparsetrain.bench.e2e']")
 
 
 def test_stop_signal_saves_finished_runs_and_exits_128_plus_signal(tmp_path, monkeypatch, capsys):
@@ -304,12 +312,12 @@ def test_stop_signal_saves_finished_runs_and_exits_128_plus_signal(tmp_path, mon
         self.done["dense-eager"] = {"key": "[]", "result": {"variant": "dense"}}  # one finished run
         raise Stopped(signal.SIGTERM)
 
-    monkeypatch.setattr(e2e.Bench, "run", stopped_run)
+    monkeypatch.setattr(e2e_runs.Bench, "run", stopped_run)
     rc = e2e.main(["--variants", "dense", "--modes", "eager", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in err and f"--out {tmp_path} --resume" in err
-    assert "dense-eager" in json.loads((tmp_path / e2e.RESULTS_FILE).read_text())["done"]
+    assert "dense-eager" in json.loads((tmp_path / e2e_runs.RESULTS_FILE).read_text())["done"]
 
 
 def test_smoke_two_variants_through_the_cli(tmp_path, monkeypatch, capsys):

@@ -135,7 +135,7 @@ def test_block_sparse_fused_projection_in_parts_matches_the_split_output(arch, m
     """A 64x64 block-sparse fused projection on the kernels (the Triton interpreter here) writes q, k and v as
     tensors of their own and its backward reads their gradients in place (sparsetrain.nn.parts): the model's loss
     and every gradient equal those of the same model with the output split (parts_native off)."""
-    from sparsetrain.kernels.blocksparse import op
+    from sparsetrain.kernels.blocksparse import parts as bs_parts
     from sparsetrain.nn import parts
     from sparsetrain.nn.sparsify import sparsify
 
@@ -149,7 +149,7 @@ def test_block_sparse_fused_projection_in_parts_matches_the_split_output(arch, m
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
         sparsify(model, targets=["*qkv"], density=0.5, block=64, format="block", seed=0)
-        monkeypatch.setattr(op, "parts_native", lambda meta: native)
+        monkeypatch.setattr(bs_parts, "parts_native", lambda meta: native)
         out = model(**_inputs(arch))
         out.loss.backward()
         return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -195,7 +195,7 @@ def _compiled_matches_eager(device: str, dtype: torch.dtype, tol: float) -> None
     explain = torch._dynamo.explain(layer)(x)
     assert explain.graph_break_count == 0
     assert "sparsetrain.block_sparse_linear" in explain.graphs[0].code  # the kernels, as an opaque op
-    from sparsetrain.kernels.blocksparse import op as blocksparse
+    from sparsetrain.kernels.blocksparse import registry as blocksparse
 
     compiled = torch.compile(layer)
     builds = blocksparse.OP_META_BUILDS[0]
@@ -308,7 +308,7 @@ def test_the_ops_take_fp32_master_values_with_16_bit_activations():
 def test_torch_compile_follows_a_topology_change_without_recompiling():
     import torch._dynamo
 
-    from sparsetrain.kernels.blocksparse import op as blocksparse
+    from sparsetrain.kernels.blocksparse import registry as blocksparse
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -552,7 +552,7 @@ def test_the_custom_op_computes_the_new_topology_after_an_in_place_update():
     """The compiled path finds a layer's metadata by its index tensors' addresses. If the op built a metadata of
     its own over them (the registry's bound cleared it, say), an in-place mask update must still reach the op:
     its tensors then lead to the rewritten metadata, not to the copy with the old entry lists."""
-    from sparsetrain.kernels.blocksparse import op
+    from sparsetrain.kernels.blocksparse import registry
 
     torch.manual_seed(0)
     layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block")
@@ -563,7 +563,7 @@ def test_the_custom_op_computes_the_new_topology_after_an_in_place_update():
             x, layer.values.detach(), layer.bias.detach(), *(getattr(meta, n) for n in BlockSparseMeta.TENSORS),
             96, 64, 16)
 
-    op._OP_METAS.clear()                      # the op builds its own metadata over the layer's tensors
+    registry._OP_METAS.clear()                # the op builds its own metadata over the layer's tensors
     torch.testing.assert_close(through_the_op(), x @ layer.dense_weight().t() + layer.bias, rtol=1e-5, atol=1e-5)
     layer.set_mask(layer.mask.flatten()[torch.randperm(layer.mask.numel())].view_as(layer.mask))
     assert layer._bs_meta is meta             # rewritten in place
@@ -573,12 +573,12 @@ def test_the_custom_op_computes_the_new_topology_after_an_in_place_update():
 def test_mask_updates_do_not_pile_up_old_topologies_in_the_op_registry():
     """The custom ops find a layer's metadata by its tensors' addresses; a mask update replaces the entry instead
     of adding one, so old index tensors and their plans are freed (a BERT-base run makes ~11k of them)."""
-    from sparsetrain.kernels.blocksparse import op
+    from sparsetrain.kernels.blocksparse import registry
 
     torch.manual_seed(0)
     layer = SparseLinear.from_dense(torch.nn.Linear(64, 96), density=0.5, block=16, format="block")
-    mine = lambda: [m for m in op._OP_METAS.values() if m is layer._bs_meta]  # noqa: E731
-    before = len(op._OP_METAS)
+    mine = lambda: [m for m in registry._OP_METAS.values() if m is layer._bs_meta]  # noqa: E731
+    before = len(registry._OP_METAS)
     assert len(mine()) == 1
     for i in range(6):
         if i % 2:   # a plan that cannot follow an in-place rewrite: the layer gets new tensors, re-registered
@@ -588,7 +588,7 @@ def test_mask_updates_do_not_pile_up_old_topologies_in_the_op_registry():
         layer.set_mask(mask)
         assert (layer._bs_meta is before_meta) == (i % 2 == 0)
         assert len(mine()) == 1
-    assert len(op._OP_METAS) == before
+    assert len(registry._OP_METAS) == before
     x = torch.randn(7, 64)
     want = x @ layer.dense_weight().t() + layer.bias
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)

@@ -18,16 +18,10 @@ from torch import Tensor
 
 from sparsetrain.kernels.blocksparse.epilogue import DGELU, GELU
 from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
-from sparsetrain.kernels.blocksparse.op import (
-    _as_operand,
-    _bs_backward,
-    _bs_setup_context,
-    _meta_for,
-    op_meta_args,
-    op_weight_grads,
-)
+from sparsetrain.kernels.blocksparse.op import _as_operand, _bs_backward, _bs_setup_context, op_weight_grads
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
 from sparsetrain.kernels.blocksparse.plans import dds_epilogue
+from sparsetrain.kernels.blocksparse.registry import _meta_for, op_meta_args
 
 
 @torch.library.custom_op("sparsetrain::block_sparse_linear_gelu", mutates_args=())

@@ -12,6 +12,9 @@ An eager training step is host-bound, so the kernel path is checked once per cal
 first call checks the arguments and picks the path, and keeps a :class:`FastCall` with the launch plans on the
 metadata; a later call of the signature is a lookup, the casts and the launches.
 
+The three-piece form (a fused query/key/value projection) is :mod:`.parts`; the custom ops find the metadata in
+:mod:`.registry`.
+
 >>> import torch
 >>> mask = torch.rand(6, 4) < 0.5
 >>> meta = BlockSparseMeta.from_mask(mask, 16)                       # W is 96 x 64
@@ -30,20 +33,12 @@ from torch import Tensor
 from sparsetrain.kernels._runtime.eager import eager_only
 from sparsetrain.kernels._runtime.options import IN_FORCE
 from sparsetrain.kernels.blocksparse import tuner
-from sparsetrain.kernels.blocksparse.meta import REWRITTEN, BlockSparseMeta
-from sparsetrain.kernels.blocksparse.plans import (
-    PARTS,
-    dds_parts_dx,
-    dds_parts_forward,
-    dds_planned,
-    parts_native,
-    run_dw,
-    sampled_grad_parts,
-    sampled_grad_planned,
-)
+from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
+from sparsetrain.kernels.blocksparse.plans import dds_planned, run_dw, sampled_grad_planned
 from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
 from sparsetrain.kernels.blocksparse.reference import _blocks, dense_to_values, values_to_dense
+from sparsetrain.kernels.blocksparse.registry import _meta_for, op_meta_args
 from sparsetrain.kernels.blocksparse.testing import HOOKS
 from sparsetrain.kernels.blocksparse.tuner import GENERATION, interpreting
 
@@ -189,59 +184,7 @@ _compiler = torch.compiler
 
 # ---- torch.compile: the kernels as torch.library custom ops ---------------------------------------------
 # Under torch.compile the kernel path goes through these opaque ops (dynamo cannot trace the Triton launches and
-# their plan caches). The metadata travels as its six index tensors; the BlockSparseMeta (with its derived
-# entry lists and launch plans) is looked up by their data pointers, so it is built once per topology. The
-# registry's metas hold their tensors, so no other tensor can be allocated at those addresses while an entry
-# lives: a pointer match is the same tensors. BlockSparseMeta.rewrite_ may give them a new topology in place,
-# together with the lists and plans kept on the metadata it was called on; another metadata the ops built over
-# the same tensors (after the registry's bound cleared it, say) keeps the old lists, so a rewrite makes its
-# tensors lead to the rewritten metadata (_follow_rewrite).
-_OP_METAS: dict[tuple, BlockSparseMeta] = {}
-OP_META_BUILDS = [0]  # how many metas the ops built (tests and benchmarks read it)
-
-
-def _registry_key(meta: BlockSparseMeta) -> tuple:
-    return tuple(getattr(meta, n).data_ptr() for n in BlockSparseMeta.TENSORS) + (
-        meta.out_features, meta.in_features, meta.block_rows)
-
-
-def register_meta(meta: BlockSparseMeta, replaces: BlockSparseMeta | None = None) -> None:
-    """Makes ``meta`` (and the entry lists and launch plans it caches) the one the custom ops use for its
-    tensors: an eager step before ``torch.compile(mode="reduce-overhead")`` then builds them outside the
-    CUDA-graph memory pool. The block format registers every meta it installs, and passes the one it replaces
-    (a mask update, a move): that entry goes, so an old topology's index tensors and plans are not kept alive
-    (160 updates x 72 layers of a BERT-base run would otherwise pile up to the registry's bound of 4096)."""
-    if replaces is not None:
-        old = _registry_key(replaces)
-        if _OP_METAS.get(old) is replaces:
-            del _OP_METAS[old]
-    key = _registry_key(meta)
-    if len(_OP_METAS) >= 4096:
-        _OP_METAS.clear()
-    _OP_METAS[key] = meta
-
-
-def _follow_rewrite(meta: BlockSparseMeta) -> None:
-    key = _registry_key(meta)
-    if key in _OP_METAS:
-        _OP_METAS[key] = meta
-
-
-REWRITTEN.append(_follow_rewrite)
-
-
-def _meta_for(tensors: tuple[Tensor, ...], out_features: int, in_features: int, block: int) -> BlockSparseMeta:
-    key = tuple(t.data_ptr() for t in tensors) + (out_features, in_features, block)
-    meta = _OP_METAS.get(key)
-    if meta is None:
-        if len(_OP_METAS) >= 4096:  # mostly replaced topologies: drop them all (live ones are rebuilt once)
-            _OP_METAS.clear()
-        meta = BlockSparseMeta(out_features, in_features, block, block, int(tensors[1].numel()), *tensors)
-        _OP_METAS[key] = meta
-        OP_META_BUILDS[0] += 1
-    return meta
-
-
+# their plan caches). The metadata travels as its six index tensors (:mod:`.registry`).
 @torch.library.custom_op("sparsetrain::block_sparse_linear", mutates_args=())
 def _bs_linear_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Tensor, col_idx: Tensor,
                   row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
@@ -301,11 +244,6 @@ def _not_aliasing(db: Tensor, dv: Tensor) -> Tensor:
     """``db``, copied where it shares ``dv``'s storage (a split reduction returns both as views of one buffer;
     a custom op's outputs may not alias)."""
     return db.clone() if db.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr() else db
-
-
-def op_meta_args(meta: BlockSparseMeta) -> tuple:
-    """The metadata as the custom ops take it: its six index tensors, out_features, in_features, block."""
-    return (*(getattr(meta, n) for n in BlockSparseMeta.TENSORS), meta.out_features, meta.in_features, meta.block)
 
 
 @_bs_linear_backward_op.register_fake
@@ -503,134 +441,3 @@ def _keep_call(x: Tensor, contig: bool, values: Tensor, meta: BlockSparseMeta, b
            None if bias is None else bias.device)
     call = calls[key] = FastCall(meta, x, contig, values, bias)
     return call
-
-
-# ---- a layer whose output is three tensors (a fused query/key/value projection) ------------------------------
-class BlockSparseLinearPartsFn(torch.autograd.Function):
-    """:class:`BlockSparseLinearFn` with the output as :data:`~.plans.PARTS` tensors (``plans.dds_parts_forward``)
-    and their gradients read in place (``plans.dds_parts_dx``, ``plans.sampled_grad_parts``): no concatenation of
-    the pieces' gradients in the backward."""
-
-    @staticmethod
-    def forward(ctx, x2d: Tensor, values: Tensor, bias: Tensor | None, meta: BlockSparseMeta):
-        ctx.values_dtype = values.dtype
-        values = _as_operand(values, x2d).contiguous()
-        ctx.save_for_backward(x2d, values)
-        ctx.meta, ctx.bias_dtype = meta, (bias.dtype if bias is not None else None)
-        return tuple(dds_parts_forward(x2d, values, meta, bias))
-
-    @staticmethod
-    def backward(ctx, *dys: Tensor):
-        x2d, values = ctx.saved_tensors
-        dx, dv, db = _parts_backward(x2d, values, dys, ctx.meta, *ctx.needs_input_grad[:3])
-        if dv is not None and dv.dtype != ctx.values_dtype:
-            dv = dv.to(ctx.values_dtype)
-        return dx, dv, (db.to(ctx.bias_dtype) if db is not None else None), None
-
-
-def _pieces(dys, width: int, like: Tensor) -> list[Tensor]:
-    """The pieces' gradients as [T, width] tensors of one row stride, unit column stride (zeros for a piece
-    autograd gave none: an output not used)."""
-    out = [torch.zeros(like.shape[0], width, dtype=like.dtype, device=like.device) if d is None
-           else d.reshape(-1, width) for d in dys]
-    if any(d.stride() != (width, 1) for d in out):
-        out = [d.contiguous() for d in out]
-    return out
-
-
-def _parts_backward(x2d: Tensor, values: Tensor, dys, meta: BlockSparseMeta, need_x: bool, need_v: bool,
-                    need_b: bool) -> tuple:
-    """``(dx, dvalues, dbias float32)`` of a three-piece layer; None where not asked for."""
-    width = meta.out_features // PARTS
-    dys = _pieces(dys, width, next(d for d in dys if d is not None))
-    dx = dds_parts_dx(dys, values, meta) if need_x else None
-    dv = db = None
-    if need_v:
-        dv, db = sampled_grad_parts(x2d, dys, meta, with_bias=need_b, out_dtype=torch.float32)
-    if need_b and db is None:
-        db = torch.cat([d.sum(0, dtype=torch.float32) for d in dys])
-    return dx, dv, db
-
-
-@torch.library.custom_op("sparsetrain::block_sparse_linear_parts", mutates_args=())
-def _bs_parts_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Tensor, col_idx: Tensor,
-                 row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
-                 in_features: int, block: int) -> list[Tensor]:
-    meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
-    outs = dds_parts_forward(x.reshape(-1, in_features), _as_operand(values, x).contiguous(), meta, bias)
-    return [o.view(*x.shape[:-1], out_features // PARTS) for o in outs]
-
-
-@_bs_parts_op.register_fake
-def _(x, values, bias, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block):
-    return [x.new_empty(*x.shape[:-1], out_features // PARTS) for _ in range(PARTS)]
-
-
-@torch.library.custom_op("sparsetrain::block_sparse_linear_parts_backward", mutates_args=())
-def _bs_parts_backward_op(dys: list[Tensor], x: Tensor, values: Tensor, row_ptr: Tensor, col_idx: Tensor,
-                          row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
-                          in_features: int, block: int, need_x: bool, need_v: bool,
-                          need_b: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dvalues, dbias float32) of :func:`_bs_parts_op`; a gradient not asked for comes back empty."""
-    meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
-    lead = dys[0].shape[:-1]
-    x2d = x.reshape(-1, in_features)
-    dx, dv, db = _parts_backward(x2d, _as_operand(values, x).contiguous(), dys, meta, need_x, need_v, need_b)
-    dx = dx.view(*lead, in_features) if need_x else x.new_empty(0)
-    dv = dv.to(values.dtype) if need_v else values.new_empty(0)
-    if not need_b:
-        db = x.new_empty(0, dtype=torch.float32)
-    elif need_v:
-        db = _not_aliasing(db, dv)
-    return dx, dv, db
-
-
-@_bs_parts_backward_op.register_fake
-def _(dys, x, values, row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot, out_features, in_features, block,
-      need_x, need_v, need_b):
-    dx = x.new_empty(*dys[0].shape[:-1], in_features) if need_x else x.new_empty(0)
-    dv = values.new_empty(values.shape) if need_v else values.new_empty(0)
-    db = x.new_empty(out_features, dtype=torch.float32) if need_b else x.new_empty(0, dtype=torch.float32)
-    return dx, dv, db
-
-
-def _bs_parts_backward(ctx, dys):
-    x, values, *tensors = ctx.saved_tensors
-    need_x, need_v, need_b = ctx.needs_input_grad[:3]
-    like = next(d for d in dys if d is not None)
-    dys = [torch.zeros_like(like) if d is None else d for d in dys]
-    dx, dv, db = torch.ops.sparsetrain.block_sparse_linear_parts_backward(
-        dys, x, values, *tensors, *ctx.ints, need_x, need_v, need_b)
-    return (dx if need_x else None, dv if need_v else None, db.to(ctx.bias_dtype) if need_b else None,
-            None, None, None, None, None, None, None, None, None)
-
-
-_bs_parts_op.register_autograd(_bs_parts_backward, setup_context=_bs_setup_context)
-
-
-def parts_native_for(x: Tensor, meta: BlockSparseMeta) -> bool:
-    """Whether :func:`block_sparse_linear_parts` writes the pieces as separate tensors for this input (the
-    kernels run it and :func:`.plans.parts_native` holds); else it splits one output."""
-    return uses_kernels(x, meta) and parts_native(meta) and not _functorch_active() and x.numel() > 0
-
-
-def block_sparse_linear_parts(x: Tensor, values: Tensor, meta: BlockSparseMeta,
-                              bias: Tensor | None = None) -> tuple[Tensor, ...]:
-    """:func:`block_sparse_linear` with its output as :data:`~.plans.PARTS` tensors ``[..., O / PARTS]`` (a fused
-    query/key/value projection's q, k and v). Where :func:`parts_native_for` holds, the kernels write them as
-    separate tensors and the backward reads their gradients in place: the gradients are not concatenated into
-    one ``[..., O]`` tensor first. Elsewhere the one output is split (views), with the same values."""
-    _check(x, values, meta, bias)
-    if meta.out_features % PARTS:
-        raise ValueError(f"out_features={meta.out_features} does not split into {PARTS} parts")
-    cast = _autocast_dtype(x.device.type)
-    if cast is not None:
-        x = x.to(cast)
-    if not parts_native_for(x, meta):
-        return block_sparse_linear(x, values, meta, bias).split(meta.out_features // PARTS, dim=-1)
-    lead = x.shape[:-1]
-    if torch.compiler.is_compiling():
-        return tuple(torch.ops.sparsetrain.block_sparse_linear_parts(
-            x.contiguous(), values.contiguous(), bias, *op_meta_args(meta)))
-    outs = BlockSparseLinearPartsFn.apply(x.reshape(-1, meta.in_features).contiguous(), values, bias, meta)
-    return tuple(o.view(*lead, meta.out_features // PARTS) for o in outs)

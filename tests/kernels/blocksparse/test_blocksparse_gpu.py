@@ -284,7 +284,7 @@ def test_gpu_three_piece_products_every_candidate(b, poison):
     them (CUDA at 16/32, gather, the dense fallback's three GEMMs; no TMA) against the fp32 reference on the
     concatenated tensors; then the custom ops compiled by inductor against the split output."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    from sparsetrain.kernels.blocksparse.op import block_sparse_linear_parts
+    from sparsetrain.kernels.blocksparse.parts import block_sparse_linear_parts
     from sparsetrain.kernels.blocksparse.tuner import Product
 
     I, O, T = 768, 3 * 768, 4096 + 37

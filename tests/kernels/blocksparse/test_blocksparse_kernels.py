@@ -439,7 +439,7 @@ def test_block_sparse_linear_parts_matches_the_split_output(compiled, b, poison,
     zero). Off the kernels (the model on plain CPU tensors) it is the split output itself."""
     import torch._dynamo
 
-    from sparsetrain.kernels.blocksparse.op import block_sparse_linear_parts, parts_native_for
+    from sparsetrain.kernels.blocksparse.parts import block_sparse_linear_parts, parts_native_for
 
     gen = torch.Generator().manual_seed(11)
     I, O = 128, 3 * 128

@@ -1,0 +1,164 @@
+"""The report of ``sparsetrain bench e2e``: what a run's windows give (the update cost, the steady rate), the
+table's ratios (:func:`build_table`), its text (:func:`format_table`, the notes under it) and the bar chart
+(:func:`plot`). Only the standard library is imported at module level."""
+from __future__ import annotations
+
+
+def update_cost(windows: list[list], updates: list[int]) -> dict | None:
+    """Seconds one mask update adds, from window times: Σ over windows holding updates of (window seconds −
+    its steps × the mean step time of update-free windows) / updates in them. Window 1 (warm-up) is left out,
+    and so is a window that holds only the two steps after an update (its eager step, its re-capture)."""
+    hit = [(steps, sec, n) for end, steps, sec in windows[1:]
+           if (n := sum(end - steps < u <= end for u in updates))]
+    clean = [windows[i][1:] for i in _clean(windows, updates)]
+    if not hit or not clean:
+        return None
+    step_s = sum(sec for _, sec in clean) / sum(steps for steps, _ in clean)
+    cost = sum(sec - steps * step_s for steps, sec, _ in hit) / sum(n for *_, n in hit)
+    return {"update_s": cost, "clean_step_s": step_s, "update_windows": len(hit), "clean_windows": len(clean)}
+
+
+def _clean(windows: list[list], updates: list[int]) -> list[int]:
+    """Indices of the windows after the first (warm-up) that hold no mask update and neither of the two steps
+    after one (its eager step, its re-capture)."""
+    return [i for i, (end, steps, _) in enumerate(windows) if i > 0
+            and not any(end - steps < u + k <= end for u in updates for k in (0, 1, 2))]
+
+
+def steady_rate(run: dict, interval: float | None) -> dict | None:
+    """What a full-length run gets, from a short one (``read_run``'s output): the rate of its update-free
+    windows (:func:`_clean`) and, for a run with mask updates, that rate with one update's cost
+    (:func:`update_cost`) spread over ``interval`` steps (the recipe's own). None without a clean window."""
+    idx = _clean(run["windows"], run["updates"])
+    seconds = sum(run["windows"][i][2] for i in idx)
+    if not idx or seconds <= 0:
+        return None
+    clean = sum(run["window_items"][i] for i in idx) / seconds
+    out = {"clean_rate": clean, "rate_at_interval": clean, "interval": interval}
+    cost = update_cost(run["windows"], run["updates"]) if run["updates"] else None
+    if cost and interval:
+        out["update_s"] = cost["update_s"]
+        out["rate_at_interval"] = clean / (1 + cost["update_s"] / (interval * cost["clean_step_s"]))
+    return out
+
+
+def build_table(runs: list[dict], baseline: str = "dense", gemm_tflops: float | None = None) -> list[dict]:
+    """Rows of the table: each run with its ratios to the baseline (same mode; the baseline's fastest mode),
+    its memory ratio (of the steady-state peaks, ``peak_gb``), its model FLOP rate (``sparsetrain.flops``' count of
+    what the step runs, per second) and that rate's share of ``gemm_tflops`` (a bf16 GEMM measured on the same GPU),
+    and, for dynamic variants, the update cost amortised over the recipe's interval."""
+    base = {r["mode"]: r for r in runs if r["variant"] == baseline and r.get("rate")}
+    best = max((r["rate"] for r in base.values()), default=None)
+    rows = []
+    for r in runs:
+        row = dict(r)
+        b = base.get(r["mode"])
+        if r.get("rate"):
+            row["x_dense"] = r["rate"] / b["rate"] if b else None
+            row["x_dense_best"] = r["rate"] / best if best else None
+        if r.get("peak_gb") and b and b.get("peak_gb"):
+            row["x_dense_mem"] = r["peak_gb"] / b["peak_gb"]
+        if r.get("rate") and r.get("flops_per_step") and r.get("items_per_step"):
+            row["model_tflops"] = r["rate"] * r["flops_per_step"] / r["items_per_step"] / 1e12
+            if gemm_tflops:
+                row["of_gemm"] = row["model_tflops"] / gemm_tflops
+        if r.get("dynamic") and r.get("windows") is not None:
+            cost = update_cost(r["windows"], r.get("updates", []))
+            row["update"] = cost
+            if cost and r.get("recipe_interval"):
+                cost["amortised_pct"] = 100 * cost["update_s"] / (r["recipe_interval"] * cost["clean_step_s"])
+                steady = steady_rate(r, r["recipe_interval"]) if r.get("window_items") else None
+                if steady and best:  # what a full-length run of the recipe gets, against dense's fastest mode
+                    row["x_dense_at_interval"] = steady["rate_at_interval"] / best
+        rows.append(row)
+    return rows
+
+
+def _num(v, fmt: str, none: str = "-") -> str:
+    return none if v is None else format(v, fmt)
+
+
+def _on_cublas(choices: dict | None) -> str:
+    """``"fallback/tuned"``: of the block-sparse products the run's tuner chose for (a kind at one shape), how many
+    run as cuBLAS on the dense weight; "-" for a run with none."""
+    total = sum((choices or {}).values())
+    return f"{choices.get('dense', 0)}/{total}" if total else "-"
+
+
+def format_table(rows: list[dict]) -> str:
+    unit = next((r["rate_key"].split("_")[0] for r in rows if r.get("rate_key")), "tokens")
+    head = ["variant", "mode", f"{unit}/s", "x dense", "x dense best", "TFLOP/s", "% GEMM", "peak GB", "x mem",
+            "startup GB", "capt/eager", "on cuBLAS", "update ms", "amortised", "x dense run"]
+    lines = []
+    for r in rows:
+        if r.get("error"):
+            lines.append([r["variant"], r["mode"], f"error: {r['error']}"])
+            continue
+        up = r.get("update") or {}
+        amort = (f"{up['amortised_pct']:.2f}% /{r['recipe_interval']:.0f}" if up.get("amortised_pct") is not None
+                 else ("n/a" if r.get("dynamic") else "-"))
+        lines.append([r["variant"], r["mode"], _num(r.get("rate"), ",.0f"), _num(r.get("x_dense"), ".3f"),
+                      _num(r.get("x_dense_best"), ".3f"), _num(r.get("model_tflops"), ".0f"),
+                      _num(r.get("of_gemm") and 100 * r["of_gemm"], ".0f"), _num(r.get("peak_gb"), ".2f"),
+                      _num(r.get("x_dense_mem"), ".3f"), _num(r.get("startup_peak_gb"), ".2f"),
+                      f"{r.get('graph_captures', 0)}/{r.get('eager_steps', 0)}", _on_cublas(r.get("kernel_choices")),
+                      _num(up.get("update_s") and 1e3 * up["update_s"], ".1f"), amort,
+                      _num(r.get("x_dense_at_interval"), ".3f")])
+    widths = [max([len(head[i]), *(len(ln[i]) for ln in lines if len(ln) == len(head))]) for i in range(len(head))]
+    fmt = [head, ["-" * w for w in widths], *lines]
+    out = ["  ".join(c.ljust(w) if i < 2 or len(ln) < len(head) else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(ln, widths, strict=False))) for ln in fmt]
+    return "\n".join(s.rstrip() for s in out)
+
+
+FLOPS_NOTE = ("TFLOP/s: model FLOPs per second as `sparsetrain flops` counts the step (what runs: a sparse layer's "
+              "active blocks; no elementwise work); % GEMM: of the bf16 GEMM rate measured first on this GPU ({})")
+NOTE = ("update ms: one mask update's cost = (mean step time of windows with an update - that of windows without) "
+        "x steps per window (window 1 left out); amortised: that cost over the recipe's own interval "
+        "(max_steps / num_updates, shown after /) as a % of the update-free step time; x dense run: the update-free "
+        "rate with that cost spread over the interval, against dense's fastest mode (what a full-length run gets; "
+        "the benchmark itself updates far more often)")
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Bars of throughput / the baseline's fastest mode, one group per variant, one bar per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(variants), 4))
+    width = 0.8 / max(1, len(modes))
+    hatched, top = False, 1.0
+    for j, mode in enumerate(modes):
+        cells = [next((r for r in rows if r["variant"] == v and r["mode"] == mode), {}) for v in variants]
+        # a dynamic variant: what a full-length run gets (updates at the recipe's interval), not the benchmark's
+        # own run, which updates far more often
+        at_interval = [c.get("x_dense_at_interval") is not None for c in cells]
+        vals = [(c.get("x_dense_at_interval") if a else c.get("x_dense_best")) or 0.0
+                for c, a in zip(cells, at_interval, strict=True)]
+        xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(variants))]
+        bars = ax.bar(xs, vals, width, label=mode)
+        for bar, a in zip(bars, at_interval, strict=True):
+            if a:
+                bar.set_hatch("//")
+                hatched = True
+        ax.bar_label(bars, labels=[f"{v:.2f}" if v else "x" for v in vals], fontsize=8)
+        top = max(top, *vals)
+    handles, _ = ax.get_legend_handles_labels()
+    if hatched:
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//",
+                             label="mask updates at the recipe's interval"))
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(variants)), variants)
+    ax.set_ylabel("throughput / dense (its fastest mode)")
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, 1.3 * top)  # room for the legend above the bars
+    ax.legend(handles=handles, fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
