@@ -86,8 +86,12 @@ def compose(overrides: list[str] | None = None, config_name: str = "train",
 
 
 # ---- instantiation with an allow-list (checked before anything is imported: sparsetrain.preflight) -------
-DEFAULT_ALLOWED = preflight.DEFAULT_ALLOWED
 resolve_target = preflight.resolve_target
+
+
+def _user_modules(cfg: DictConfig) -> tuple[str, ...]:
+    """``allowed_targets``: the user's module prefixes, whose callables the ``model`` and ``data`` slots accept."""
+    return preflight.user_modules(_plain(cfg.get("allowed_targets")))
 
 
 def _plain(node: Any) -> Any:
@@ -152,7 +156,7 @@ def validate(cfg: DictConfig) -> None:
     from sparsetrain.sparsity.policies import Policy
     from sparsetrain.sparsity.schedulers import SparsityScheduler
 
-    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    allowed = _user_modules(cfg)
     preflight.check_no_missing(cfg)
     # trainer
     _int(cfg, "trainer.max_steps", 1)
@@ -331,7 +335,7 @@ def _model_kwargs(cfg: DictConfig) -> dict:
 
 
 def model_builder(cfg: DictConfig) -> Callable:
-    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    allowed = _user_modules(cfg)
     fn = resolve_target(cfg.model, "model", allowed=allowed)
     return partial(_call, _model_kwargs(cfg), "model", fn)
 
@@ -342,13 +346,13 @@ def _data_runtime(cfg: DictConfig, data_fn: Callable) -> dict:
     model of any class)."""
     if "emit_positions" not in inspect.signature(data_fn).parameters:
         return {}
-    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    allowed = _user_modules(cfg)
     tells = getattr(resolve_target(cfg.model, "model", allowed=allowed), "takes_masked_positions", None)
     return {"emit_positions": bool(tells is not None and _call(_model_kwargs(cfg), "model", tells))}
 
 
 def data_builder(cfg: DictConfig) -> Callable:
-    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    allowed = _user_modules(cfg)
     fn = resolve_target(cfg.data, "data", allowed=allowed)
     return partial(_call, cfg.data, "data", fn, **_data_runtime(cfg, fn))
 
@@ -356,7 +360,7 @@ def data_builder(cfg: DictConfig) -> Callable:
 def predictions_per_seq(cfg: DictConfig) -> int | None:
     """P, the masked positions per sequence the MLM head runs on (``sparsetrain.flops``), from the config alone;
     None where the head runs on every token (no ``masked_positions`` in the batches)."""
-    allowed = DEFAULT_ALLOWED + tuple(cfg.get("allowed_targets") or ())
+    allowed = _user_modules(cfg)
     fn = resolve_target(cfg.data, "data", allowed=allowed)
     tells = getattr(fn, "predictions_per_seq", None)
     return None if tells is None else _call(cfg.data, "data", tells, **_data_runtime(cfg, fn))

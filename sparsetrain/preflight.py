@@ -17,8 +17,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["DEFAULT_ALLOWED", "ConfigError", "check_format_fits_scheduler", "check_layout", "check_machine",
-           "check_no_missing", "check_target_path", "resolve_target"]
+__all__ = ["BUILDERS", "ConfigError", "check_format_fits_scheduler", "check_layout", "check_machine",
+           "check_no_missing", "check_target_path", "resolve_target", "user_modules"]
 
 
 class ConfigError(ValueError):
@@ -67,8 +67,34 @@ def check_target_path(target: str, key: str) -> None:
                                "sparsetrain, torch or your own module")
 
 
-#: ``_target_`` module prefixes allowed without a base-class check (plus the config's ``allowed_targets``)
-DEFAULT_ALLOWED = ("sparsetrain.", "torch.optim.")
+#: What a function slot (a ``_target_`` called to build something, not a class checked against a base) accepts
+#: from sparsetrain itself: its builders, by name. Any other callable there must come from a module the config
+#: lists in ``allowed_targets``, the user's own code: a helper of the package that happens to be callable (one that
+#: starts a process, say) is no model builder.
+BUILDERS = {
+    "model": ("sparsetrain.models.build_model", "sparsetrain.models.builders.build_model"),
+    "data": ("sparsetrain.data.build_mlm_data", "sparsetrain.data.text.build_mlm_data",
+             "sparsetrain.data.build_image_data", "sparsetrain.data.vision.build_image_data"),
+}
+_SLOT_NAMES = {"model": "model builder", "data": "data builder"}
+#: Modules that are not the user's own: ``allowed_targets`` may not list them (their callables would all become
+#: builders).
+_NOT_USER_MODULES = ("sparsetrain", "torch", "transformers", "accelerate", "hydra", "omegaconf", "datasets")
+
+
+def user_modules(allowed_targets: Any) -> tuple[str, ...]:
+    """``allowed_targets``: prefixes of the user's own modules, whose callables the function slots accept. The
+    package's and its dependencies' modules are refused (naming the key): listing them would make any of their
+    callables a builder."""
+    prefixes = tuple(str(p) for p in (allowed_targets or ()))
+    for prefix in prefixes:
+        top = prefix.split(".")[0]
+        if not top or top in _NOT_USER_MODULES or top in sys.stdlib_module_names:
+            raise ConfigError("allowed_targets", f"{prefix!r} is not a module of your own; list the prefixes of "
+                                                 f"your modules (e.g. 'my_models.'); sparsetrain's builders "
+                                                 f"({', '.join(b for v in BUILDERS.values() for b in v[::2])}) "
+                                                 f"are accepted without it")
+    return prefixes
 
 
 def _locate(target: str, key: str) -> Any:
@@ -85,21 +111,26 @@ def _locate(target: str, key: str) -> Any:
     return getattr(module, attr)
 
 
-def resolve_target(node: Any, key: str, base: type | None = None, allowed: tuple[str, ...] = DEFAULT_ALLOWED):
-    """Check a ``_target_``, then import it. Without ``base`` it must come from an allowed module prefix,
-    checked before anything is imported. With ``base`` (policies, schedulers, optimizers) any module may
-    provide it, so users' policies work from YAML: the module is imported (as ``python -m`` would run the
-    user's own code) only once the path is a dotted name outside the standard library, then the class is
-    checked."""
+def resolve_target(node: Any, key: str, base: type | None = None, allowed: tuple[str, ...] = ()):
+    """Check a ``_target_``, then import it. A class slot (``base``: policies, schedulers, optimizers) takes a
+    subclass of ``base`` from any module, so users' policies work from YAML: the module is imported (as
+    ``python -m`` would run the user's own code) only once the path is a dotted name outside the standard
+    library, then the class is checked. A function slot (``model``, ``data``) takes one of sparsetrain's
+    :data:`BUILDERS` for that slot, or a callable from a module under ``allowed`` (:func:`user_modules`); that
+    is checked on the string, before anything is imported."""
     if not isinstance(node, (dict, DictConfig)) or "_target_" not in node:
         raise ConfigError(key, "needs a _target_")
     target = str(node["_target_"])
-    if base is None and not target.startswith(tuple(allowed)):
-        raise ConfigError(key + "._target_", f"{target!r} is outside the allowed modules {list(allowed)} "
-                                             f"(add its prefix to allowed_targets)")
+    if base is None and target not in BUILDERS.get(key, ()) and not target.startswith(tuple(allowed)):
+        what = _SLOT_NAMES.get(key, "builder")
+        raise ConfigError(key + "._target_", f"{target!r} is not a {what} (one of "
+                                             f"{list(BUILDERS.get(key, ())[::2])}, or a callable of a module of "
+                                             f"your own listed in allowed_targets)")
     obj = _locate(target, key + "._target_")
     if base is not None and not (inspect.isclass(obj) and issubclass(obj, base)):
         raise ConfigError(key + "._target_", f"{target!r} is not a {base.__module__}.{base.__name__} subclass")
+    if base is None and not callable(obj):
+        raise ConfigError(key + "._target_", f"{target!r} is not callable")
     return obj
 
 

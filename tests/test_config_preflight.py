@@ -197,3 +197,51 @@ def test_a_recipe_s_own_sweep_grid_is_validated_too(tmp_path, capsys):
     problem, _ = cli._prevalidate(["-m", "recipe=pareto_bert_small", "sparsity=static", "sparsity.block=16,64",
                                    "sparsity.density=0.1", f"hydra.sweep.dir={sweep}"])
     assert problem is None
+
+
+# ---- issue 38 item 1: each _target_ slot takes only what belongs in it ------------------------------------
+EXPLOIT = ["recipe=vit_digits", "logger=quiet", "trainer.max_steps=2",
+           "model._target_=sparsetrain.bench._child.run_child", "~model.arch", "~model.size", "~model.image_size",
+           "~model.patch_size", "~model.num_labels", "~model.attn_implementation", "~model.fused_qkv",
+           "~model.fp32_residual", "~model.num_hidden_layers", "+model.cmd=[touch,PWNED]", "+model.stdout=null"]
+
+
+def test_a_package_callable_in_the_model_slot_cannot_run_a_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", *EXPLOIT, f"hydra.run.dir={tmp_path / 'run'}"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: model._target_: 'sparsetrain.bench._child.run_child' is "
+                                               "not a model builder"), err
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "run").exists()
+
+
+HELPER = "sparsetrain.bench._child.run_child"
+
+
+@pytest.mark.parametrize("override,key,why", [
+    (f"data._target_={HELPER}", "data._target_", "is not a data builder"),
+    (f"optim.optimizer._target_={HELPER}", "optim.optimizer._target_", "is not a torch.optim.optimizer.Optimizer"),
+    (f"sparsity.scheduler._target_={HELPER}", "sparsity.scheduler._target_", "SparsityScheduler subclass"),
+    (f"sparsity.scheduler.policy._target_={HELPER}", "sparsity.scheduler.policy._target_", "Policy subclass"),
+    (f"sparsity.format={HELPER}", "sparsity.format", "not a WeightFormat subclass"),
+    ("model._target_=torch.optim.SGD", "model._target_", "is not a model builder"),
+    ("allowed_targets=[sparsetrain.bench.]", "allowed_targets", "is not a module of your own"),
+])
+def test_every_target_slot_refuses_what_does_not_belong_in_it(override, key, why):
+    with pytest.raises(ConfigError) as e:
+        validate(compose(["recipe=quickstart", override]))
+    assert e.value.key == key and why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_users_own_model_builder_is_accepted_through_allowed_targets(tmp_path, monkeypatch):
+    (tmp_path / "my_models.py").write_text(
+        "from sparsetrain.models import build_model\n\n"
+        "def tiny_bert(**kw):\n    return build_model(**{**kw, 'num_hidden_layers': 1})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    overrides = ["recipe=quickstart", "model._target_=my_models.tiny_bert"]
+    with pytest.raises(ConfigError, match="is not a model builder"):   # not without allowed_targets
+        validate(compose(overrides))
+    cfg = compose([*overrides, "allowed_targets=[my_models.]"])
+    validate(cfg)
+    model = build_run(cfg).build_model()
+    assert model.config.num_hidden_layers == 1
