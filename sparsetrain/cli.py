@@ -132,6 +132,9 @@ def cmd_train(argv: Sequence[str]) -> int:
         try:
             spec = build_run(cfg)
             spec.train_args.overrides = tuple(HydraConfig.get().overrides.task)  # for the printed resume command
+            note = spec.scheduler.schedule_warning(spec.train_args.max_steps)   # e.g. a short dynamic run
+            if note and os.environ.get("RANK", "0") == "0":
+                print(f"warning: {note}", flush=True)
             summary = train(spec, run_dir)
         except (ConfigError, CheckpointError, RunDirError, FileNotFoundError, ValueError) as e:
             # ValueError: structural problems found while building (block/targets vs a pretrained model).

@@ -4,32 +4,13 @@ table's ratios (:func:`build_table`), its text (:func:`format_table`, the notes 
 from __future__ import annotations
 
 
-def update_cost(windows: list[list], updates: list[int]) -> dict | None:
-    """Seconds one mask update adds, from window times: Σ over windows holding updates of (window seconds −
-    its steps × the mean step time of update-free windows) / updates in them. Window 1 (warm-up) is left out,
-    and so is a window that holds only the two steps after an update (its eager step, its re-capture)."""
-    hit = [(steps, sec, n) for end, steps, sec in windows[1:]
-           if (n := sum(end - steps < u <= end for u in updates))]
-    clean = [windows[i][1:] for i in _clean(windows, updates)]
-    if not hit or not clean:
-        return None
-    step_s = sum(sec for _, sec in clean) / sum(steps for steps, _ in clean)
-    cost = sum(sec - steps * step_s for steps, sec, _ in hit) / sum(n for *_, n in hit)
-    return {"update_s": cost, "clean_step_s": step_s, "update_windows": len(hit), "clean_windows": len(clean)}
-
-
-def _clean(windows: list[list], updates: list[int]) -> list[int]:
-    """Indices of the windows after the first (warm-up) that hold no mask update and neither of the two steps
-    after one (its eager step, its re-capture)."""
-    return [i for i, (end, steps, _) in enumerate(windows) if i > 0
-            and not any(end - steps < u + k <= end for u in updates for k in (0, 1, 2))]
-
-
 def steady_rate(run: dict, interval: float | None) -> dict | None:
     """What a full-length run gets, from a short one (``read_run``'s output): the rate of its update-free
-    windows (:func:`_clean`) and, for a run with mask updates, that rate with one update's cost
+    windows (:func:`~sparsetrain.training.metrics.clean_windows`) and, for a run with mask updates, that rate with one update's cost
     (:func:`update_cost`) spread over ``interval`` steps (the recipe's own). None without a clean window."""
-    idx = _clean(run["windows"], run["updates"])
+    from sparsetrain.training.metrics import clean_windows, update_cost  # cheap: the bench imports no torch
+
+    idx = clean_windows(run["windows"], run["updates"])
     seconds = sum(run["windows"][i][2] for i in idx)
     if not idx or seconds <= 0:
         return None
@@ -63,6 +44,8 @@ def build_table(runs: list[dict], baseline: str = "dense", gemm_tflops: float | 
             if gemm_tflops:
                 row["of_gemm"] = row["model_tflops"] / gemm_tflops
         if r.get("dynamic") and r.get("windows") is not None:
+            from sparsetrain.training.metrics import update_cost
+
             cost = update_cost(r["windows"], r.get("updates", []))
             row["update"] = cost
             if cost and r.get("recipe_interval"):

@@ -31,7 +31,7 @@ def read_run(run_dir: Path) -> dict:
     per-window ``reserved_gb`` outside the startup window, or, for runs without such rows, the largest
     ``peak_mem_gb``; ``startup_peak_gb``: the startup window's ``reserved_gb``: tuning, compile and capture), window times
     (``[end_step, steps, seconds]``) and the steps of its mask updates."""
-    from sparsetrain.training.metrics import read_metrics, read_summary
+    from sparsetrain.training.metrics import read_metrics, read_summary, run_windows
 
     summary = read_summary(run_dir)
     if summary is None:
@@ -39,11 +39,8 @@ def read_run(run_dir: Path) -> dict:
     rate_key = "tokens_per_s" if summary.get("tokens_per_s") is not None else "samples_per_s"
     rows = read_metrics(run_dir)
     train = sorted((r for r in rows if rate_key in r and "event" not in r), key=lambda r: r["step"])
-    windows, items, prev_step, prev_s = [], [], 0, 0.0
-    for r in train:
-        windows.append([r["step"], r["step"] - prev_step, r["elapsed_s"] - prev_s])
-        items.append(r[rate_key] * (r["elapsed_s"] - prev_s))
-        prev_step, prev_s = r["step"], r["elapsed_s"]
+    windows = run_windows(rows, rate_key)
+    items = [r[rate_key] * seconds for r, (_, _, seconds) in zip(train, windows, strict=True)]
     peaks = [r["peak_mem_gb"] for r in train if "peak_mem_gb" in r]
     steady = [r["reserved_gb"] for r in train if "reserved_gb" in r and not r.get("startup")]
     startup = [r["reserved_gb"] for r in train if "reserved_gb" in r and r.get("startup")]

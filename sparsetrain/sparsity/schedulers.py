@@ -38,6 +38,11 @@ def _check_fraction(value: float, name: str) -> float:
     return v
 
 
+#: Mask updates closer than this many steps apart on average make a run mostly update masks on a GPU, where one
+#: costs several steps (``SparsityScheduler.schedule_warning`` says so before the run starts).
+MIN_UPDATE_INTERVAL = 10
+
+
 class SparsityScheduler:
     """Base class. Subclasses override ``_update(step)`` and, if needed, ``initial_density``."""
 
@@ -76,6 +81,25 @@ class SparsityScheduler:
     def prepare_flop_count(self, layers: dict[str, SparseLayer]) -> None:
         """Put freshly sparsified ``layers`` in the state whose FLOPs dominate the run, for a FLOP count
         without training. Default: they already are."""
+
+    def update_schedule(self, total_steps: int) -> UpdateSchedule | None:
+        """The steps at which masks change in a run of ``total_steps`` (None: never). Pure: no layer needed."""
+        return None
+
+    def schedule_warning(self, total_steps: int) -> str | None:
+        """One line when a run of ``total_steps`` would update its masks so often (fewer than
+        :data:`MIN_UPDATE_INTERVAL` steps apart) that it mostly updates masks; None otherwise."""
+        schedule = self.update_schedule(total_steps)
+        if schedule is None or schedule.num_updates() == 0 or schedule.interval >= MIN_UPDATE_INTERVAL:
+            return None
+        every = "every step" if schedule.interval == 1 else f"one every {schedule.interval} steps"
+        if getattr(self, "interval", None) is None:
+            asked, fix = f"num_updates={self.num_updates}", "for a run this short, lower sparsity.scheduler.num_updates"
+        else:
+            asked, fix = f"interval={self.interval}", "raise sparsity.scheduler.interval"
+        return (f"sparsity.scheduler.{asked} over trainer.max_steps={total_steps} gives {schedule.num_updates()} "
+                f"mask updates, {every}; an update costs several steps on a GPU (the run summary's update_steps "
+                f"says how many), so this run would mostly update masks: {fix}")
 
     # -- the interface ----------------------------------------------------------------------------
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -200,13 +224,16 @@ class PruneRegrow(SparsityScheduler):
     def describe(self) -> str:
         return self.method
 
+    def update_schedule(self, total_steps: int) -> UpdateSchedule:
+        s, e = int(self.start * total_steps), max(1, int(round(self.end * total_steps)))
+        if self.num_updates is None:
+            return UpdateSchedule(s, e, int(self.interval))
+        n = min(int(self.num_updates), max(1, e - s - 1))
+        return UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
+
     def _on_attach(self) -> None:
-        s, e = int(self.start * self.total_steps), max(1, int(round(self.end * self.total_steps)))
-        if self.num_updates is not None:
-            n = min(int(self.num_updates), max(1, e - s - 1))
-            self.schedule = UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
-        else:
-            self.schedule = UpdateSchedule(s, e, int(self.interval))
+        self.schedule = self.update_schedule(self.total_steps)
+        s, e = self.schedule.start, self.schedule.end
         self.drop_fn = make_drop_schedule(self.drop_schedule_name, self.drop_fraction, end_step=e, start_step=s)
 
     def _arm(self, next_step: int) -> None:
@@ -302,10 +329,14 @@ class GradualMagnitude(SparsityScheduler):
                                  f"weights stay zero, such as sparsity.format=masked (layer {name} uses "
                                  f"{layer.format_name!r})")
             self.targets.setdefault(name, layer.density)
-        s, e = int(self.start * self.total_steps), max(1, int(round(self.end * self.total_steps)))
-        n = min(self.num_updates, max(1, e - s - 1))
-        self.schedule = UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
+        self.schedule = self.update_schedule(self.total_steps)
+        s, e = self.schedule.start, self.schedule.end
         self.cubic = {name: CubicDensity(self.initial_density(t), t, s, e) for name, t in self.targets.items()}
+
+    def update_schedule(self, total_steps: int) -> UpdateSchedule:
+        s, e = int(self.start * total_steps), max(1, int(round(self.end * total_steps)))
+        n = min(self.num_updates, max(1, e - s - 1))
+        return UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
 
     def is_update_step(self, step: int) -> bool:
         return self.schedule.is_update_step(step) or step == self.schedule.end

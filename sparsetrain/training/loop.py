@@ -413,13 +413,15 @@ class Trainer:
     def summary(self, masks_identical: bool | None) -> dict[str, Any]:
         """The run's summary.json: what ran, its cost (FLOPs, seconds, rate) and how its steps ran."""
         acc, main, step = self.accelerator, self.main, self.step
+        rows = metrics.read_metrics(self.run_dir) if main else []
         return {
             "status": "finished", "method": self.spec.method, "recipe": self.args.recipe,
             "density": self.scheduler.density, "block": self.spec.block_label if self.scheduler.sparse else "-",
             "steps": step, "final_eval_loss": self.last_eval["eval_loss"] if self.last_eval else None,
             "total_train_flops": self.train_flops, "wall_s": self.elapsed,
-            # seconds of training, the start-up windows left out
-            "train_s": metrics.train_seconds(metrics.read_metrics(self.run_dir), step) if main else None,
+            "train_s": metrics.train_seconds(rows, step) if main else None,   # the start-up windows left out
+            # what one mask update adds, in seconds and in update-free steps (None without an update)
+            **(metrics.update_cost_fields(rows, self.rate_key) if main else {}),
             "device": torch.cuda.get_device_name(acc.device) if acc.device.type == "cuda" else "cpu",
             self.rate_key: metrics.window_rate(self.run_dir, self.rate_key) if main else None,
             "hook_share_non_update_steps": self.hook_time / self.step_time if self.step_time else None,

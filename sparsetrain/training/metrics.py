@@ -343,6 +343,8 @@ def format_summary(summary: dict) -> str:
         f"train FLOPs {format_flops(summary.get('total_train_flops'))}",
         f"throughput {rate}",
     ]
+    if isinstance(summary.get("update_s"), (int, float)):   # measured from the run's windows (update_cost)
+        body.append(f"one mask update {summary['update_s'] * 1e3:.0f} ms = {summary['update_steps']:.1f} steps")
     return " ".join(head) + "\n  " + " | ".join(body)
 
 
@@ -385,3 +387,47 @@ def train_seconds(rows: Sequence[dict], steps: int | None = None) -> float | Non
         return None
     total = train[-1]["step"] if steps is None else steps
     return seconds / steady * total
+
+
+# --------------------------------------------------------------------------------------------------
+# What one mask update costs, measured from the run's own windows (the run summary, `bench e2e`)
+# --------------------------------------------------------------------------------------------------
+def run_windows(rows: Sequence[dict], rate_key: str) -> list[list]:
+    """The training rows' windows as ``[end_step, steps, seconds]`` (seconds from the cumulative ``elapsed_s``)."""
+    train = sorted((r for r in rows if rate_key in r and "event" not in r), key=lambda r: r["step"])
+    windows, prev_step, prev_s = [], 0, 0.0
+    for r in train:
+        windows.append([r["step"], r["step"] - prev_step, r["elapsed_s"] - prev_s])
+        prev_step, prev_s = r["step"], r["elapsed_s"]
+    return windows
+
+
+def update_cost(windows: list[list], updates: list[int]) -> dict | None:
+    """Seconds one mask update adds, from window times: Σ over windows holding updates of (window seconds −
+    its steps × the mean step time of update-free windows) / updates in them. Window 1 (warm-up) is left out,
+    and so is a window that holds only the two steps after an update (its eager step, its re-capture)."""
+    hit = [(steps, sec, n) for end, steps, sec in windows[1:]
+           if (n := sum(end - steps < u <= end for u in updates))]
+    clean = [windows[i][1:] for i in clean_windows(windows, updates)]
+    if not hit or not clean:
+        return None
+    step_s = sum(sec for _, sec in clean) / sum(steps for steps, _ in clean)
+    cost = sum(sec - steps * step_s for steps, sec, _ in hit) / sum(n for *_, n in hit)
+    return {"update_s": cost, "clean_step_s": step_s, "update_windows": len(hit), "clean_windows": len(clean)}
+
+
+def clean_windows(windows: list[list], updates: list[int]) -> list[int]:
+    """Indices of the windows after the first (warm-up) that hold no mask update and neither of the two steps
+    after one (its eager step, its re-capture)."""
+    return [i for i, (end, steps, _) in enumerate(windows) if i > 0
+            and not any(end - steps < u + k <= end for u in updates for k in (0, 1, 2))]
+
+
+def update_cost_fields(rows: Sequence[dict], rate_key: str) -> dict[str, float | None]:
+    """``update_s`` (seconds one mask update adds to the run, :func:`update_cost`) and ``update_steps`` (the same
+    in steps of the run's update-free windows), None where the run has no update or no update-free window."""
+    updates = [r["step"] for r in rows if r.get("event") == "mask_update"]
+    cost = update_cost(run_windows(rows, rate_key), updates) if updates else None
+    if cost is None:
+        return {"update_s": None, "update_steps": None}
+    return {"update_s": cost["update_s"], "update_steps": cost["update_s"] / cost["clean_step_s"]}

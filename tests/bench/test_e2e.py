@@ -13,6 +13,7 @@ from sparsetrain.bench import _e2e_breakdown as bd
 from sparsetrain.bench import _e2e_report as e2e_report
 from sparsetrain.bench import _e2e_runs as e2e_runs
 from sparsetrain.bench import _e2e_variants as e2e_variants
+from sparsetrain.training.metrics import update_cost
 
 
 # ---- arguments and overrides --------------------------------------------------------------------------
@@ -214,10 +215,10 @@ def test_steady_rate_takes_update_free_windows_and_spreads_updates_over_the_reci
 def test_update_cost_leaves_out_warmup_and_aftermath_windows():
     windows = [[10, 10, 9.0], [20, 10, 1.3], [30, 10, 1.2], [40, 10, 1.0], [50, 10, 1.0]]
     # update at 20 (end of window 2): its eager step and re-capture land in window 3, which counts for neither
-    cost = e2e_report.update_cost(windows, [20])
+    cost = update_cost(windows, [20])
     assert (cost["update_windows"], cost["clean_windows"]) == (1, 2)
     assert cost["update_s"] == pytest.approx(0.3)
-    assert e2e_report.update_cost(windows, []) is None and e2e_report.update_cost(windows[:2], [15]) is None
+    assert update_cost(windows, []) is None and update_cost(windows[:2], [15]) is None
 
 
 # ---- the breakdown --------------------------------------------------------------------------------------

@@ -300,3 +300,20 @@ def test_two_rank_masks_identical(tmp_path):
         m = MLP()
         init = sparsify(m, targets=["up", "down"], density=0.25, block=8, seed=0)
         assert any(not init[n].mask.equal(a[pol][n]) for n in init)
+
+
+def test_a_run_too_short_for_its_updates_is_told_before_it_starts():
+    """bert_rigl's 160 updates over 60 steps would update the masks at every step: said in one line naming the
+    key; the recipes' own lengths say nothing."""
+    from sparsetrain.sparsity.schedulers import GradualMagnitude, PruneRegrow, Static
+
+    note = PruneRegrow(policy="rigl", num_updates=160).schedule_warning(60)
+    assert "sparsity.scheduler.num_updates=160 over trainer.max_steps=60 gives 59 mask updates, every step" in note
+    assert "\n" not in note and "lower sparsity.scheduler.num_updates" in note
+    assert "raise sparsity.scheduler.interval" in PruneRegrow(interval=4).schedule_warning(1000)
+    assert PruneRegrow(num_updates=160).schedule_warning(10_000) is None       # one every 62 steps
+    assert PruneRegrow(num_updates=10).schedule_warning(200) is None           # quickstart: one every 18
+    assert "gives 100 mask updates" in GradualMagnitude(num_updates=100).schedule_warning(200)
+    assert Static().schedule_warning(5) is None
+    schedule = PruneRegrow(num_updates=7, start=0.1, end=0.8).update_schedule(1000)   # steps (100, 800): 7 updates
+    assert [s for s in range(1, 1001) if schedule.is_update_step(s)] == [187, 274, 361, 448, 535, 622, 709]

@@ -173,3 +173,18 @@ def test_written_files_respect_the_umask(tmp_path, umask, mask):
     for name in ("summary.json", "metrics.jsonl"):
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "summary.json"]  # no temp file left behind
+
+
+def test_the_summary_measures_one_mask_update_from_the_runs_own_windows():
+    from sparsetrain.training.metrics import update_cost_fields
+
+    rows, elapsed = [], 0.0
+    for end in range(10, 110, 10):        # windows of 10 steps at 0.1 s a step; the update at 50 adds 0.6 s
+        elapsed += 1.0 + (0.6 if end == 50 else 0.0) + (5.0 if end == 10 else 0.0)   # window 1: start-up
+        rows.append({"step": end, "loss": 1.0, "tokens_per_s": 1.0, "elapsed_s": elapsed})
+        if end == 50:
+            rows.append({"step": 50, "event": "mask_update", "pruned": 4, "regrown": 4})
+    fields = update_cost_fields(rows, "tokens_per_s")
+    assert fields["update_s"] == pytest.approx(0.6) and fields["update_steps"] == pytest.approx(6.0)
+    static = [r for r in rows if r.get("event") is None]
+    assert update_cost_fields(static, "tokens_per_s") == {"update_s": None, "update_steps": None}
