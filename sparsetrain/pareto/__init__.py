@@ -28,14 +28,16 @@ Example:
     >>> plot_pareto(runs, "pareto.png")      # and pareto.csv, pareto.md beside it
 
 The package, one module per concern (data flows one way, down this list): ``cli`` (the command) ->
-``figures``, ``matching`` (``--dense-steps``) -> ``tables`` (labels, frontiers, the text table, FILE.csv/.md) ->
+``figures``, ``curves`` (``--curves``: time to quality), ``matching`` (``--dense-steps``) -> ``tables`` (labels, frontiers, the text table, FILE.csv/.md) ->
 ``runs`` (reading run directories and tables).
 """
 from sparsetrain.pareto.cli import main
+from sparsetrain.pareto.curves import Curve, dense_target, reach_rows, read_curve, read_curves
 from sparsetrain.pareto.figures import pareto_figure, plot_pareto
 from sparsetrain.pareto.matching import dense_steps
 from sparsetrain.pareto.runs import CSV_COLUMNS, RunResult, collect_runs, read_run, read_table
 from sparsetrain.pareto.tables import format_table, frontier, point_label, write_tables
 
-__all__ = ["CSV_COLUMNS", "RunResult", "collect_runs", "dense_steps", "format_table", "frontier", "main",
-           "pareto_figure", "plot_pareto", "point_label", "read_run", "read_table", "write_tables"]
+__all__ = ["CSV_COLUMNS", "Curve", "RunResult", "collect_runs", "dense_steps", "dense_target", "format_table",
+           "frontier", "main", "pareto_figure", "plot_pareto", "point_label", "reach_rows", "read_curve",
+           "read_curves", "read_run", "read_table", "write_tables"]

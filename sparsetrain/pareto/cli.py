@@ -5,6 +5,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from sparsetrain.pareto.curves import dense_target, format_reach_table, read_curves, write_curves
 from sparsetrain.pareto.figures import plot_pareto
 from sparsetrain.pareto.matching import dense_steps
 from sparsetrain.pareto.runs import collect_runs
@@ -34,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dense-steps", action="store_true",
                         help="print the trainer.max_steps of the dense runs that match the sparse runs' FLOPs and "
                              "GPU-seconds, comma separated, and write nothing")
+    parser.add_argument("--curves", action="store_true",
+                        help="also every evaluation of each run: print the GPU-seconds each needs to reach the target "
+                             "loss and write FILE_curves.png / FILE_curves.csv (eval loss vs GPU-seconds and FLOPs)")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="with --curves: the eval loss to reach (default: the dense baseline's final one)")
     args = parser.parse_args(argv)
     try:
         runs = collect_runs(args.run_dirs)
@@ -64,6 +70,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     csv_path, md_path = write_tables(runs, out)
     print(f"wrote {out}, {csv_path.name}, {md_path.name}")
+    return _curves(runs, out, args.target_loss) if args.curves else 0
+
+
+def _curves(runs, out, target_loss: float | None) -> int:
+    """``--curves``: the time-to-quality table printed, the curves drawn beside ``out``."""
+    target, how = target_loss, "--target-loss"
+    if target is None:
+        target, how = dense_target(runs), "the dense baseline's final eval loss"
+    if target is None:
+        print("error: --curves: no finished dense run to take the target loss from; give --target-loss",
+              file=sys.stderr)
+        return 1
+    found = read_curves(runs)
+    try:
+        png, table = write_curves(found, target, out)
+    except ValueError as e:
+        print(f"error: --curves: {e}", file=sys.stderr)
+        return 1
+    print(format_reach_table(found, target, how))
+    print(f"wrote {png.name}, {table.name}")
     return 0
 
 
