@@ -17,7 +17,7 @@ from sparsetrain.config import (
 from sparsetrain.kernels import KernelOptions
 from sparsetrain.sparsity.schedulers import SparsityScheduler
 
-GROUPS = ["model", "data", "sparsity", "optim", "trainer", "logger"]
+GROUPS = ["model", "data", "sparsity", "optim", "trainer", "logger", "speed"]
 NEEDS_USER_VALUE = {"model/hf", "data/text_files", "data/hub_text", "data/image_folder"}
 
 
@@ -243,3 +243,21 @@ def test_block_is_parsed_once_and_keeps_its_spelling():
     assert spec.sparsify_kwargs["block"] == Block(16, 16) and spec.block_label == "16"
     spec = build_run(compose(["recipe=quickstart", "sparsity.block=[16,32]"]))
     assert spec.sparsify_kwargs["block"] == Block(16, 32)
+
+
+#: Model settings that change speed and memory, not what is learned: every recipe of one model runs them alike
+SPEED_KEYS = ("fused_qkv", "fp32_residual", "attn_implementation", "max_position_embeddings")
+
+
+def test_every_recipe_of_one_model_shares_its_speed_settings():
+    """bert_rigl once lacked BERT-base's fused_qkv / fp32_residual and ran at 1.09x dense where its siblings ran
+    at 1.26x: the speed settings of a model live in one place (configs/speed/) and no recipe may differ."""
+    by_model = {}
+    for recipe in sorted(list_recipes()):
+        model = compose([f"recipe={recipe}"]).model
+        key = (model.get("arch"), model.get("size"))
+        by_model.setdefault(key, {})[recipe] = {k: model.get(k) for k in SPEED_KEYS}
+    for key, recipes in by_model.items():
+        assert len({str(v) for v in recipes.values()}) == 1, f"{key}: recipes differ in speed settings: {recipes}"
+    base = by_model[("bert", "base")]
+    assert len(base) >= 5 and all(v["fused_qkv"] is True and v["fp32_residual"] is False for v in base.values())
