@@ -49,7 +49,7 @@ def built_wheel(tmp_path_factory):
     root = Path(__file__).resolve().parents[1]
     src = tmp_path_factory.mktemp("wheel_src")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
-    for folder in ("sparsetrain", "configs", "recipes"):
+    for folder in ("sparsetrain", "configs", "recipes", "hydra_plugins"):
         shutil.copytree(root / folder, src / folder, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(root / name, src / name)

@@ -25,3 +25,5 @@ def test_wheel_ships_packages_configs_recipes_csrc_and_benches(built_wheel):
         for p in yamls:
             assert f"sparsetrain/{folder}/{p.relative_to(ROOT / folder).as_posix()}" in names, p
     assert "sparsetrain/configs/trainer/kernels/default.yaml" in names
+    assert "hydra_plugins/sparsetrain_gpus/gpus.py" in names            # hydra/launcher=gpus
+    assert "hydra_plugins/__init__.py" not in names                    # Hydra's namespace package stays open
