@@ -114,6 +114,11 @@ def cmd_train(argv: Sequence[str]) -> int:
     bad = _check_recipe(argv)
     if bad is not None:
         return bad
+    callbacks = [a for a in argv if a.lstrip("+~").startswith(("hydra.callbacks", "hydra/callbacks"))]
+    if callbacks:   # Hydra instantiates them before sparsetrain sees the config: a package helper would run
+        print(f"error: hydra.callbacks: not accepted ({callbacks[0]!r}); sparsetrain runs no Hydra callbacks",
+              file=sys.stderr)
+        return 2
     problem, existing = _prevalidate(argv)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

@@ -86,6 +86,8 @@ def user_modules(allowed_targets: Any) -> tuple[str, ...]:
     """``allowed_targets``: prefixes of the user's own modules, whose callables the function slots accept. The
     package's and its dependencies' modules are refused (naming the key): listing them would make any of their
     callables a builder."""
+    if allowed_targets is not None and not isinstance(allowed_targets, (list, tuple)):
+        raise ConfigError("allowed_targets", f"must be a list of module prefixes, got {allowed_targets!r}")
     prefixes = tuple(str(p) for p in (allowed_targets or ()))
     for prefix in prefixes:
         top = prefix.split(".")[0]

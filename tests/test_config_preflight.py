@@ -245,3 +245,17 @@ def test_a_users_own_model_builder_is_accepted_through_allowed_targets(tmp_path,
     validate(cfg)
     model = build_run(cfg).build_model()
     assert model.config.num_hidden_layers == 1
+
+
+def test_hydra_callbacks_and_a_string_allowed_targets_are_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "recipe=quickstart", "logger=quiet", "trainer.max_steps=1",
+            f"+hydra.callbacks.x._target_={HELPER}", "+hydra.callbacks.x.cmd=[touch,PWNED2]",
+            "+hydra.callbacks.x.stdout=null", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert cli.main(argv) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: hydra.callbacks:")
+    assert not (tmp_path / "PWNED2").exists() and not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError) as e:   # a string would be split into one-letter prefixes
+        validate(compose(["recipe=quickstart", "allowed_targets=my_models."]))
+    assert e.value.key == "allowed_targets"
