@@ -153,6 +153,10 @@ class SparseLinear(nn.Module):
             raise ValueError(f"new mask shape {tuple(new_mask.shape)} != {tuple(self.mask.shape)}")
         self.storage.set_mask(self, new_mask.to(torch.bool), optimizer)
 
+    def wants_host_mask(self) -> bool:
+        """Whether :meth:`set_mask` would rather get the new mask on the host (its format builds a table there)."""
+        return self.storage.wants_host_mask(self)
+
     def set_format(self, format: str | type[WeightFormat] | WeightFormat,
                    optimizer: torch.optim.Optimizer | None = None) -> None:
         """Move to another storage format (e.g. masked -> block on GPU). Call before building the optimizer,

@@ -25,7 +25,7 @@ from sparsetrain.sparsity.nm import NM
 from sparsetrain.sparsity.policies import Magnitude, Policy, get_policy
 from sparsetrain.sparsity.protocol import SparseLayer, sparse_layers
 from sparsetrain.sparsity.schedules import CubicDensity, UpdateSchedule, make_drop_schedule
-from sparsetrain.sparsity.update import prune_to, update_mask
+from sparsetrain.sparsity.update import apply_masks, prune_to, update_mask
 
 __all__ = ["Dense", "GradualMagnitude", "PruneRegrow", "SparseThenDense", "SparsityScheduler", "Static",
            "sparse_layers"]
@@ -254,6 +254,7 @@ class PruneRegrow(SparsityScheduler):
         frac = self.drop_fn(step)
         grads = self._reduced_grads() if self.policy.needs_grad else {}
         pruned = regrown = 0
+        updates = []
         for i, (name, layer) in enumerate(self.layers.items()):
             w, mask = layer.dense_weight(), layer.mask
             g = grads.get(name)
@@ -269,10 +270,11 @@ class PruneRegrow(SparsityScheduler):
                           for t in (drop, grow))
             u = update_mask(mask, drop, grow, n, n_active)
             if u.n_dropped:
-                layer.set_mask(u.mask, self.optimizer)
+                updates.append((layer, u.mask))
             pruned += u.n_dropped
             regrown += u.n_grown
             layer.dense_grad = None
+        apply_masks(updates, self.optimizer)
         return {"event": "mask_update", "pruned": pruned, "regrown": regrown, "drop_fraction": frac}
 
     def _reduced_grads(self) -> dict[str, torch.Tensor]:

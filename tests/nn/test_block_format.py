@@ -689,69 +689,103 @@ def test_set_mask_refills_every_kept_table_from_the_host_build():
     torch.testing.assert_close(moment, torch.where(both, moment_before, 0.0), rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-def test_gpu_mask_update_rebuilds_the_cuda_tables_without_a_host_sync():
-    """A mask update of a BERT-base FFN layer (768 -> 3072, 16x16 blocks, density 0.1) whose CUDA kernels' tables
-    are cached (entry lists, warp ranges, weight-gradient CTA table: forced CUDA tiles, a forward and backward):
-
-    - ``set_mask`` given the new mask on the GPU waits for the device exactly twice: the copies of the new mask
-      and of the layer's mask to the host, from which it works out the slots (sync debug mode "warn", counted);
-    - ``BlockSparseMeta.rewrite_`` given a host mask, i.e. the rebuild of the topology and of every kept table,
-      waits for nothing (sync debug mode "error").
-
-    After each, the kept tensors are the same storage and hold what a fresh metadata of the new mask builds on the
-    GPU. Not covered: the scheduler's scoring and choice of the new mask, which come before set_mask."""
+def _count_syncs(fn) -> int:
+    """Host syncs of ``fn()`` on the GPU (sync debug mode "warn", counted)."""
     import warnings
 
-    from sparsetrain.kernels.blocksparse import _cuda
-    from sparsetrain.kernels.blocksparse.testing import forced_config
-
-    torch.manual_seed(0)
-    I, O, b = 768, 3072, 16
-    layer = SparseLinear.from_dense(torch.nn.Linear(I, O), density=0.1, block=b, format="block")
-    layer = layer.to("cuda", torch.bfloat16)
-    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
-    probe = lambda k: torch.empty(1, k, device="cuda", dtype=torch.bfloat16)  # noqa: E731
-    tiles = dict(fwd=_cuda.candidates(probe(I), b, I)[0], dx=_cuda.candidates(probe(O), b, O)[0],
-                 dw=_cuda.DW_CANDIDATES[0])
-    x = torch.randn(256, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)   # dX: the transposed lists
-    with forced_config(**tiles):
-        layer(x).float().square().mean().backward()
-    opt.step()
-    meta = BlockFormat.meta(layer)
-
-    def storage() -> list[int]:
-        kept = [getattr(meta, n) for n in meta.TENSORS] + [t for v in meta._groups.values()
-                                                           for t in (v if isinstance(v, tuple) else (v,))
-                                                           if torch.is_tensor(t)]
-        return [t.data_ptr() for t in kept]
-
-    def shuffled() -> torch.Tensor:
-        flat = layer.mask.flatten()
-        return flat[torch.randperm(flat.numel(), device=flat.device)].view_as(layer.mask)
-
-    before = storage()
-    new = shuffled()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            layer.set_mask(new, opt)
+            fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
     # (the mode's own "prototype feature" warning names synchronizing operations too: not a sync)
-    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
-    assert len(syncs) == 2, [str(w.message) for w in syncs]          # new_mask.cpu(), layer.mask.cpu()
-    assert layer._bs_meta is meta and storage() == before           # rewritten in place
-    assert {"dds", "bs_dds_info", "bs_wbound", "bs_dw_table"} <= _kept_tables_match_a_fresh_build(meta, new)
+    return len([w for w in caught if "called a synchronizing" in str(w.message)])
 
-    host = shuffled().cpu()
+
+def _gpu_ffn_layer(dw_cuda: bool, seed: int = 0):
+    """A BERT-base FFN layer (768 -> 3072, 16x16 blocks, density 0.1) in bf16 on the GPU after one Adam step whose
+    kernels are forced: the CUDA forward and input-gradient tiles (entry lists, warp ranges) and, with ``dw_cuda``,
+    the CUDA weight-gradient kernel (its CTA table is built on the host), else the Triton one (fixed groups)."""
+    from sparsetrain.kernels.blocksparse import _cuda, gather
+    from sparsetrain.kernels.blocksparse.testing import forced_config
+
+    torch.manual_seed(seed)
+    I, O, b = 768, 3072, 16
+    layer = SparseLinear.from_dense(torch.nn.Linear(I, O), density=0.1, block=b, format="block")
+    layer = layer.to("cuda", torch.bfloat16)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-3)
+    probe = lambda k: torch.empty(1, k, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    x = torch.randn(256, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)   # dX: the transposed lists
+    dw = _cuda.DW_CANDIDATES[0] if dw_cuda else gather.DW_CANDIDATES[b][0]
+    with forced_config(fwd=_cuda.candidates(probe(I), b, I)[0], dx=_cuda.candidates(probe(O), b, O)[0], dw=dw):
+        layer(x).float().square().mean().backward()
+    opt.step()
+    return layer, opt, BlockFormat.meta(layer)
+
+
+def _kept_storage(meta) -> list[int]:
+    kept = [getattr(meta, n) for n in meta.TENSORS] + [t for v in meta._groups.values()
+                                                       for t in (v if isinstance(v, tuple) else (v,))
+                                                       if torch.is_tensor(t)]
+    return [t.data_ptr() for t in kept]
+
+
+def _shuffled(mask: torch.Tensor) -> torch.Tensor:
+    flat = mask.flatten()
+    return flat[torch.randperm(flat.numel(), device=flat.device)].view_as(mask)
+
+
+@pytest.mark.gpu
+def test_gpu_mask_update_waits_for_nothing_where_every_table_is_built_on_the_gpu():
+    """With the CUDA forward/input-gradient tables and the Triton weight-gradient groups kept, ``set_mask`` given
+    the new mask on the GPU moves the blocks and Adam moments and rebuilds the topology and every kept table there,
+    in place, waiting for nothing (sync debug mode "error"); the tables then hold what a fresh build holds, the
+    blocks active before and after keep their weights and moments, the others are zero."""
+    layer, opt, meta = _gpu_ffn_layer(dw_cuda=False)
+    assert not layer.wants_host_mask()
+    before, old, new = _kept_storage(meta), layer.mask.clone(), _shuffled(layer.mask)
+    dense, moment = layer.dense_weight().float(), values_to_dense(opt.state[layer.values]["exp_avg"], meta).float()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        assert meta.rewrite_(host)
+        layer.set_mask(new, opt)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert storage() == before
+    assert layer._bs_meta is meta and _kept_storage(meta) == before
+    assert {"dds", "dw", "bs_dds_info", "bs_wbound"} <= _kept_tables_match_a_fresh_build(meta, new)
+    both = to_element_mask(old & new, Block(16, 16))
+    torch.testing.assert_close(layer.dense_weight().float(), torch.where(both, dense, 0.0), rtol=0, atol=0)
+    torch.testing.assert_close(values_to_dense(opt.state[layer.values]["exp_avg"], meta).float(),
+                               torch.where(both, moment, 0.0), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_mask_update_with_a_host_built_table_takes_the_mask_from_the_host():
+    """With the CUDA weight-gradient kernel's CTA table kept (built on the host), the layer asks for the mask on
+    the host: given it there, ``set_mask`` waits for nothing; given it on the GPU, exactly once (its copy). An
+    update of several such layers (``apply_masks``, the schedulers' path) copies their masks in one transfer."""
+    from sparsetrain.sparsity.update import apply_masks
+
+    layer, opt, meta = _gpu_ffn_layer(dw_cuda=True)
+    assert layer.wants_host_mask()
+    before = _kept_storage(meta)
+    host = _shuffled(layer.mask).cpu()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer.set_mask(host, opt)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert _kept_storage(meta) == before
     assert {"dds", "bs_dds_info", "bs_wbound", "bs_dw_table"} <= _kept_tables_match_a_fresh_build(meta, host)
+    new = _shuffled(layer.mask)
+    assert _count_syncs(lambda: layer.set_mask(new, opt)) == 1
+    assert "bs_dw_table" in _kept_tables_match_a_fresh_build(meta, new)
+    layers = [layer] + [_gpu_ffn_layer(dw_cuda=True, seed=s)[0] for s in (1, 2)]
+    news = [_shuffled(m.mask) for m in layers]
+    assert _count_syncs(lambda: apply_masks(list(zip(layers, news)), None)) == 1
+    for m, want in zip(layers, news):
+        assert torch.equal(m.mask, want) and "bs_dw_table" in _kept_tables_match_a_fresh_build(m._bs_meta, want)

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from sparsetrain.kernels.blocksparse.meta import REFILL, keep_as_is, same_builder
+from sparsetrain.kernels.blocksparse.meta import HOST_ONLY, REFILL, keep_as_is, same_builder
 
 STRIP_BLOCKS = 32  # widest strip a "strips" CTA of the weight-gradient kernel stages of its strip operand (blocks)
 # Longest side of a "tiles" rectangle (blocks): both staged widths at most 56 * 16 columns take
@@ -80,9 +81,8 @@ def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Ten
             out_blk, kidx = meta.row_idx.long(), meta.col_idx.long()
             slot = torch.arange(meta.n_blocks, device=dev)
             n_out, k = meta.grid[0], meta.in_features
-        else:
-            counts_c = (meta.col_ptr[1:] - meta.col_ptr[:-1]).long()
-            out_blk = torch.repeat_interleave(torch.arange(meta.grid[1], device=dev), counts_c)
+        else:   # the column of each transposed entry (no repeat_interleave: its size would wait for the device)
+            out_blk = torch.searchsorted(meta.col_ptr[1:].long(), torch.arange(meta.n_blocks, device=dev), right=True)
             kidx, slot = meta.t_row_idx.long(), meta.t_slot.long()
             n_out, k = meta.grid[1], meta.out_features
         n_parts, n_warps = _cdiv(k, kp), _cdiv(n_out, ob)
@@ -92,11 +92,16 @@ def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Ten
         info = torch.stack([slot * b * b, kidx * b - part * kp], dim=1)[order].to(torch.int32).contiguous()
         if info.numel() == 0:
             info = torch.zeros(1, 2, dtype=torch.int32, device=dev)
-        wstart = torch.zeros(n_warps + 1, dtype=torch.long, device=dev)
-        wstart[1:] = torch.bincount(gw, minlength=n_warps).cumsum(0)
-        counts = torch.bincount(cell, minlength=n_warps * n_parts * ob).to(torch.int32)
+        wstart = F.pad(_count(gw, n_warps).cumsum(0), (1, 0))
+        counts = _count(cell, n_warps * n_parts * ob).to(torch.int32)
         meta._groups[key] = (info, wstart.to(torch.int32), counts.contiguous(), n_parts, n_out)
     return meta._groups[key]
+
+
+def _count(idx: Tensor, size: int) -> Tensor:
+    """``bincount(idx, minlength=size)`` for ``idx < size``, in a tensor of a size known on the host (a CUDA
+    ``bincount`` reads the largest index back first: a host sync)."""
+    return torch.zeros(size, dtype=torch.long, device=idx.device).index_add_(0, idx, torch.ones_like(idx))
 
 
 def dw_table(meta, with_bias: bool, cap: int, layout: DwLayout = "strips") -> tuple[Tensor, Tensor, int, int]:
@@ -343,3 +348,4 @@ REFILL.update({
     "bs_dw_table": _refill_dw_table,
     "bs_dw_used": keep_as_is,
 })
+HOST_ONLY.add("bs_dw_table")   # its CTA rows are cut by walking the topology in Python

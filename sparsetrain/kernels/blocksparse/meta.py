@@ -74,29 +74,28 @@ class BlockSparseMeta:
     TENSORS: ClassVar[tuple[str, ...]] = ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_row_idx", "t_slot")
 
     @classmethod
-    def from_mask(cls, mask: Tensor, block: int | tuple[int, int] | BlockShape) -> BlockSparseMeta:
+    def from_mask(cls, mask: Tensor, block: int | tuple[int, int] | BlockShape,
+                  n_blocks: int | None = None) -> BlockSparseMeta:
         """Build the metadata from a bool block mask ``[O/br, I/bc]`` (on the mask's device). ``block`` is an
-        edge, a ``(rows, cols)`` pair, or anything with ``rows`` and ``cols`` (``sparsetrain.sparsity.Block``)."""
+        edge, a ``(rows, cols)`` pair, or anything with ``rows`` and ``cols`` (``sparsetrain.sparsity.Block``).
+        ``n_blocks``: the mask's active count where the caller knows it; then every size is known on the host and
+        the build waits for nothing on a GPU (it is not checked: a wrong count builds wrong lists)."""
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
         if mask.dim() != 2:
             raise ValueError(f"mask must be a 2-D block grid, got shape {tuple(mask.shape)}")
         br, bc = block_shape(block)
         R, C = mask.shape
-        dev = mask.device
-        rows, cols = mask.nonzero(as_tuple=True)  # row-major order = slot order
-        n = int(rows.numel())
-        row_ptr = torch.zeros(R + 1, dtype=torch.int64, device=dev)
-        row_ptr[1:] = mask.sum(1).cumsum(0)
-        col_ptr = torch.zeros(C + 1, dtype=torch.int64, device=dev)
-        col_ptr[1:] = mask.sum(0).cumsum(0)
-        slot_of = torch.full((R, C), -1, dtype=torch.int64, device=dev)
-        slot_of[rows, cols] = torch.arange(n, device=dev)
-        t_cols, t_rows = mask.t().nonzero(as_tuple=True)  # column-major order: per column, rows ascending
+        n = int(mask.sum()) if n_blocks is None else int(n_blocks)
+        flat = mask.reshape(-1)
+        pos = active_positions(flat, n)                        # row-major order = slot order
+        t_pos = active_positions(mask.t().reshape(-1), n)      # column-major: per column, rows ascending
+        t_rows, t_cols = t_pos % R, t_pos // R
+        slot_of = flat.long().cumsum(0) - 1
         i32 = torch.int32
         return cls(R * br, C * bc, br, bc, n,
-                   row_ptr.to(i32), cols.to(i32), rows.to(i32),
-                   col_ptr.to(i32), t_rows.to(i32), slot_of[t_rows, t_cols].to(i32))
+                   F.pad(mask.sum(1).cumsum(0), (1, 0)).to(i32), (pos % C).to(i32), (pos // C).to(i32),
+                   F.pad(mask.sum(0).cumsum(0), (1, 0)).to(i32), t_rows.to(i32), slot_of[t_rows * C + t_cols].to(i32))
 
     def rewrite_(self, mask: Tensor) -> bool:
         """Install the topology of ``mask`` (a bool block mask with this one's grid and active count) in place:
@@ -106,16 +105,21 @@ class BlockSparseMeta:
         that is not ``stable``, a table the new topology outgrows) nothing is changed and the result is False:
         the caller then builds a new metadata.
 
-        The new topology and its tables are built on the host (tiny index grids: on a GPU each of their ops would
-        be a kernel launch and many a host sync) and copied into the kept tensors; given a CPU ``mask``, a rewrite
-        of a CUDA metadata waits for nothing on the device."""
-        new = BlockSparseMeta.from_mask(mask.cpu(), (self.block_rows, self.block_cols))
+        Where no kept entry needs the host (:meth:`needs_host_mask`), the new topology is built where this metadata
+        lives, in lists of sizes known from the grid and the active count: a GPU rewrite then waits for nothing,
+        and the mask's count is not checked (the caller keeps it). Otherwise it is built on the host from a copy of
+        ``mask`` (tiny index grids; given a CPU ``mask``, a rewrite of a CUDA metadata waits for nothing either)."""
+        on_host = self.needs_host_mask()
+        mask = mask.cpu() if on_host else mask.to(self.device)
+        counted = mask.device.type == "cpu"   # counting waits for nothing there
+        new = BlockSparseMeta.from_mask(mask, (self.block_rows, self.block_cols),
+                                        n_blocks=None if counted else self.n_blocks)
         if new.grid != self.grid or new.n_blocks != self.n_blocks:
             raise ValueError(f"rewrite_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the new "
                              f"mask has grid {new.grid} and {new.n_blocks}")
         copies = [(getattr(self, n), getattr(new, n)) for n in self.TENSORS]
         for key, value in self._groups.items():
-            rule = REFILL.get(key[0] if isinstance(key, tuple) else key)
+            rule = REFILL.get(_kind(key))
             pairs = rule(new, key, value) if rule is not None else None
             if pairs is None:
                 return False
@@ -127,6 +131,11 @@ class BlockSparseMeta:
         for hook in REWRITTEN:
             hook(self)
         return True
+
+    def needs_host_mask(self) -> bool:
+        """Whether :meth:`rewrite_` builds on the host: a kept table's rule is in :data:`HOST_ONLY` (a CUDA
+        metadata then wants the new mask on the host, where a caller can copy the masks of many layers at once)."""
+        return self.device.type != "cpu" and any(_kind(key) in HOST_ONLY for key in self._groups)
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -179,21 +188,21 @@ class BlockSparseMeta:
             n_out = ptr.numel() - 1
             counts = ptr[1:] - ptr[:-1]
             padded = ((counts + group_k - 1) // group_k).clamp(min=1) * group_k
-            pptr = torch.zeros(n_out + 1, dtype=torch.long, device=self.device)
-            pptr[1:] = padded.cumsum(0)
-            out_block = torch.repeat_interleave(torch.arange(n_out, device=self.device), padded)
-            pos = torch.arange(out_block.numel(), device=self.device) - pptr[out_block]
-            real = pos < counts[out_block]
+            pptr = F.pad(padded.cumsum(0), (1, 0))
+            if fixed:   # every size from the grid and the count: no host sync; the tail's out_block is n_out
+                p = torch.arange(self.n_blocks + n_out * group_k, device=self.device)
+                out_block = torch.searchsorted(pptr[1:], p, right=True)
+            else:
+                out_block = torch.repeat_interleave(torch.arange(n_out, device=self.device), padded)
+                p = torch.arange(out_block.numel(), device=self.device)
+            pos = p - pptr[out_block]
+            real = pos < F.pad(counts, (0, 1))[out_block]
             src = (ptr[out_block] + pos).clamp(max=max(self.n_blocks - 1, 0))
             if self.n_blocks == 0:
                 pk, ps = torch.zeros_like(pos), torch.full_like(pos, -1)
             else:
                 pk = torch.where(real, kidx[src], 0)
                 ps = torch.where(real, slot[src], -1)
-            if fixed:
-                tail = self.n_blocks + n_out * group_k - out_block.numel()
-                pk, ps = F.pad(pk, (0, tail)), F.pad(ps, (0, tail), value=-1)
-                out_block = F.pad(out_block, (0, tail), value=n_out)
             i32 = torch.int32
             self._groups[key] = (pptr.to(i32), pk.to(i32), ps.to(i32), out_block.to(i32))
         return self._groups[key]
@@ -202,51 +211,75 @@ class BlockSparseMeta:
         """How many groups of :meth:`dw_groups` ``(group, fixed=True)`` held work when the lists were built (a
         host int: what a plan chooses its token split for; a later :meth:`rewrite_` leaves it, a tiling choice)."""
         self.dw_groups(group, fixed=True)
-        return self._groups[("dw_used", group)]
+        key = ("dw_used", group)
+        if key not in self._groups:
+            counts = (self.row_ptr[1:] - self.row_ptr[:-1]).long()
+            self._groups[key] = int(((counts + group - 1) // group).clamp(min=1).sum())
+        return self._groups[key]
 
     def dw_groups(self, group: int, fixed: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
         """Groups of up to ``group`` consecutive active blocks of one block row, for the weight-gradient
         kernel: ``(row, first_slot, count, is_first_of_row, n_groups)``. Every block row has at least one
         group (count 0 when empty) so that the fused bias gradient covers it. ``fixed``: allocated at the
         largest count any topology of this active count needs (``R + n_blocks // group``; padding groups have
-        count -1 and do nothing), so :meth:`rewrite_` can refill them in place and the launch grid stays.
-        Cached per ``(group, fixed)``."""
+        count -1 and do nothing), so :meth:`rewrite_` can refill them in place and the launch grid stays; every
+        size is then known on the host (no sync on a GPU). Cached per ``(group, fixed)``."""
         key = ("dw", group, fixed)
         if key not in self._groups:
             R, _ = self.grid
             ptr = self.row_ptr.long()
-            counts = ptr[1:] - ptr[:-1]
-            ng = ((counts + group - 1) // group).clamp(min=1)
-            total = int(ng.sum())
-            grow = torch.repeat_interleave(torch.arange(R, device=self.device), ng)
-            chunk = torch.arange(total, device=self.device) - torch.repeat_interleave(ng.cumsum(0) - ng, ng)
+            ng = ((ptr[1:] - ptr[:-1] + group - 1) // group).clamp(min=1)
+            ends = ng.cumsum(0)
+            if fixed:
+                total = R + self.n_blocks // group
+                grow = torch.searchsorted(ends, torch.arange(total, device=self.device), right=True)
+            else:
+                total = int(ends[-1])
+                grow = torch.repeat_interleave(torch.arange(R, device=self.device), ng)
+            q = torch.arange(total, device=self.device)
+            pad = grow >= R                          # fixed lists: the groups past the last one with work
+            grow = grow.clamp(max=R - 1)
+            chunk = q - (ends - ng)[grow]
             gstart = ptr[grow] + chunk * group
             gcount = (ptr[grow + 1] - gstart).clamp(0, group)
             first = (chunk == 0).long()
-            if fixed:
-                self._groups[("dw_used", group)] = total   # the groups with work, when the lists were built
-                tail = R + self.n_blocks // group - total
-                grow, gstart, first = (F.pad(t, (0, tail)) for t in (grow, gstart, first))
-                gcount = F.pad(gcount, (0, tail), value=-1)
-                total += tail
+            grow, gstart, first = (t.masked_fill(pad, 0) for t in (grow, gstart, first))
             i32 = torch.int32
-            self._groups[key] = (grow.to(i32), gstart.to(i32), gcount.to(i32), first.to(i32), total)
+            self._groups[key] = (grow.to(i32), gstart.to(i32), gcount.masked_fill(pad, -1).to(i32), first.to(i32),
+                                 total)
         return self._groups[key]
 
 
+def active_positions(flat: Tensor, n: int) -> Tensor:
+    """Positions of the ``n`` True entries of a flat bool tensor, ascending (int64), computed in tensors of sizes
+    known on the host: no host sync on a GPU, unlike ``nonzero``. Each True entry's running count is its place
+    (entries past ``n``, and the False ones, go to a spare place that is dropped)."""
+    place = flat.long().cumsum(0) - 1
+    place = torch.where(flat & (place < n), place, n)
+    out = torch.zeros(n + 1, dtype=torch.long, device=flat.device)
+    out.scatter_(0, place, torch.arange(flat.numel(), device=flat.device))
+    return out[:n]
+
+
+def _kind(key) -> str:
+    return key[0] if isinstance(key, tuple) else key
+
+
 def _copy_into(copies: list[tuple[Tensor, Tensor]]) -> None:
-    """``dst.copy_(src)`` for every pair, the sources built on the host: per device and dtype of the kept tensors,
-    the sources are joined in one host buffer, which goes over in one ``non_blocking`` transfer (pageable memory,
-    which the driver stages before the call returns: no host sync, and the buffer may go), and one
-    ``_foreach_copy_`` writes the parts into the kept tensors."""
+    """``dst.copy_(src)`` for every pair, in one ``_foreach_copy_`` per device and dtype of the kept tensors.
+    Sources on the host are joined in one host buffer first, which goes over in one ``non_blocking`` transfer
+    (pageable memory, which the driver stages before the call returns: no host sync, and the buffer may go)."""
     by_kind: dict[tuple, list[tuple[Tensor, Tensor]]] = {}
     for dst, src in copies:
-        by_kind.setdefault((dst.device, dst.dtype), []).append((dst, src))
-    for (device, dtype), pairs in by_kind.items():
+        by_kind.setdefault((dst.device, dst.dtype, src.device == dst.device), []).append((dst, src))
+    for (device, dtype, local), pairs in by_kind.items():
         dsts = [dst for dst, _ in pairs]
-        flat = torch.cat([src.reshape(-1).to("cpu", dtype) for _, src in pairs]).to(device, non_blocking=True)
-        parts = flat.split([dst.numel() for dst in dsts])
-        torch._foreach_copy_(dsts, [part.view(dst.shape) for part, dst in zip(parts, dsts)])
+        if local:
+            parts = [src.to(dtype).view(dst.shape) for dst, src in pairs]
+        else:
+            flat = torch.cat([src.reshape(-1).to("cpu", dtype) for _, src in pairs]).to(device, non_blocking=True)
+            parts = [part.view(dst.shape) for part, dst in zip(flat.split([d.numel() for d in dsts]), dsts)]
+        torch._foreach_copy_(dsts, parts)
 
 
 def same_builder(build):
@@ -270,6 +303,10 @@ def _stable_plans(new: BlockSparseMeta, key: str, value: dict) -> list | None:
     plans = value.values() if key == "plans" else (p for c in value.values() for p in (c.fwd, c.dx, *c.dw))
     return [] if all(p is None or getattr(p, "stable", False) for p in plans) else None
 
+
+#: Kinds of kept entries whose :data:`REFILL` rule builds on the host (it walks the topology in Python): a metadata
+#: keeping one rewrites on the host (:meth:`BlockSparseMeta.needs_host_mask`).
+HOST_ONLY: set[str] = set()
 
 #: Called with a metadata after :meth:`BlockSparseMeta.rewrite_` changed its topology (e.g. the custom ops'
 #: registry, which finds a metadata by its tensors' addresses, makes sure those now lead to this one).

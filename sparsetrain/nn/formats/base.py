@@ -86,6 +86,11 @@ class WeightFormat:
     def weight_parameter(self, layer: nn.Module) -> nn.Parameter:
         raise NotImplementedError
 
+    def wants_host_mask(self, layer: nn.Module) -> bool:
+        """Whether ``set_mask`` works from a host copy of the new mask (a caller updating many layers then copies
+        all their masks to the host at once instead of one sync per layer). Default: no."""
+        return False
+
     def n_active(self, layer: nn.Module) -> int:
         """Active blocks of the layer's mask (a format that keeps the count on the host answers without a sync)."""
         return int(layer.mask.sum().item())

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear, register_meta
+from sparsetrain.kernels.blocksparse.meta import active_positions
 from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
 from sparsetrain.nn.formats.base import (
     FormatCaps,
@@ -48,6 +49,24 @@ def runs_block_ops(m: nn.Module) -> bool:
     return (isinstance(m, SparseLinear) and isinstance(m.storage, BlockFormat) and not m.capture_dense_grad
             and isinstance(m._parameters.get("values"), torch.Tensor)
             and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
+
+
+def moved_slots(old: Tensor, new: Tensor, n: int) -> Tensor:
+    """Per slot of the new topology (bool block masks ``old`` and ``new`` of ``n`` active blocks each), the slot of
+    the same block in the old one, or -1 for a block that was not active: ``[n]`` int64, computed on the masks'
+    device in tensors of sizes known from ``n`` (no host sync)."""
+    old_flat, new_flat = old.reshape(-1), new.reshape(-1)
+    pos = active_positions(new_flat, n)
+    return torch.where(old_flat[pos], old_flat.long().cumsum(0)[pos] - 1, -1)
+
+
+def _move_blocks(t: Tensor, src: Tensor) -> None:
+    """Row ``i`` of ``t`` (blocks in slot order) becomes old row ``src[i]``, or zeros where ``src[i] < 0``. A sharded
+    ``t`` (FSDP2) is gathered, moved whole, and each rank keeps its shard."""
+    full = whole(t)
+    moved = full.index_select(0, src.clamp(min=0))
+    moved.masked_fill_((src < 0).view(-1, *([1] * (full.dim() - 1))), 0)
+    write_whole(t, moved)
 
 
 def _current(bufs: dict, meta: BlockSparseMeta) -> bool:
@@ -141,44 +160,40 @@ class BlockFormat(WeightFormat):
         """Rewrite the topology keeping the active count: surviving blocks and their optimizer moments
         move to their new slots, newly active blocks start at zero with zeroed moments. The index buffers, and
         every entry list, kernel table and launch plan kept on them, are rewritten in place
-        (:meth:`~sparsetrain.kernels.blocksparse.BlockSparseMeta.rewrite_`), so a CUDA graph of the training step
+        (:meth:`~sparsetrain.kernels.blocksparse.BlockSparseMeta.rewrite_`), so a CUDA graph of the step
         stays valid; where the new topology does not fit a kept table (the CUDA weight-gradient kernel's CTAs)
-        the layer gets new buffers instead."""
-        # The slots are worked out on the host from one copy of each mask (index grids of a few thousand blocks:
-        # on a GPU each op would be a launch, and each boolean index a host sync); the values move on their device.
-        new_mask = new_mask.to(dtype=torch.bool)
-        new_host, old_host = new_mask.cpu(), layer.mask.cpu()
-        if new_mask.device != layer.mask.device:   # to the device from pageable memory: staged, no sync
-            new_mask = new_host.to(layer.mask.device, non_blocking=not new_host.is_pinned())
-        n_old, n_new = int(old_host.sum()), int(new_host.sum())
-        if n_new != n_old:
-            raise ValueError(f"new_mask has {n_new} active blocks but the block format keeps the count "
-                             f"constant at {n_old}; use set_format('masked') to change density")
-        values = layer.values
-        dev = values.device
-        slot_old = torch.full(old_host.shape, -1, dtype=torch.long)
-        slot_old[old_host] = torch.arange(n_old)  # boolean indexing is row-major = slot order
-        slot_new = torch.full(new_host.shape, -1, dtype=torch.long)
-        slot_new[new_host] = torch.arange(n_new)
-        keep = old_host & new_host
-        src, dst = (t.to(dev, non_blocking=True) for t in (slot_old[keep], slot_new[keep]))
+        the layer gets new buffers instead.
 
-        def move(t: Tensor) -> None:   # a sharded t (FSDP2): gathered, moved whole, each rank keeps its shard
-            full = whole(t)
-            moved = torch.zeros_like(full)
-            moved[dst] = full[src]
-            write_whole(t, moved)
-
-        with torch.no_grad():
-            move(values.data)
-            state = optimizer.state.get(values) if optimizer is not None else None
-            for v in (state or {}).values():
-                if torch.is_tensor(v) and v.shape == values.shape:
-                    move(v)
-            layer.mask.copy_(new_mask)
+        Everything is worked out where the layer lives, in tensors whose sizes the active count fixes: on a GPU,
+        given the new mask there, the update waits for nothing, unless a kept table is built on the host
+        (:meth:`wants_host_mask`): then it copies the mask there, or takes a host ``new_mask`` as it is (a
+        scheduler copies the masks of all such layers in one transfer). A GPU mask's count is checked on the
+        device (a wrong count stops the process at its next sync); a host mask's here."""
         meta = self.meta(layer)
-        if not meta.rewrite_(new_host):   # in place where every kept table can follow
+        n, dev = meta.n_blocks, layer.mask.device
+        new_mask = new_mask.to(dtype=torch.bool)
+        if new_mask.device.type == "cpu" or dev.type == "cpu":
+            if int(new_mask.sum()) != n:
+                raise ValueError(f"new_mask has {int(new_mask.sum())} active blocks but the block format keeps the "
+                                 f"count constant at {n}; use set_format('masked') to change density")
+        else:
+            torch._assert_async(new_mask.sum() == n, f"new_mask must keep the block format's {n} active blocks")
+        host = new_mask if new_mask.device.type == "cpu" else None
+        new_mask = new_mask.to(dev, non_blocking=True)   # from pageable host memory: staged, no sync
+        src = moved_slots(layer.mask, new_mask, n)
+        with torch.no_grad():
+            _move_blocks(layer.values.data, src)
+            state = optimizer.state.get(layer.values) if optimizer is not None else None
+            for v in (state or {}).values():
+                if torch.is_tensor(v) and v.shape == layer.values.shape:
+                    _move_blocks(v, src)
+            layer.mask.copy_(new_mask)
+        if not meta.rewrite_(host if host is not None else new_mask):   # in place where every kept table can follow
             self._install_meta(layer, self._build_meta(layer, new_mask, dev))
+
+    def wants_host_mask(self, layer) -> bool:
+        """Whether a mask update builds a kept table on the host (then a host copy of the new mask saves a sync)."""
+        return self.meta(layer).needs_host_mask()
 
     def weight_parameter(self, layer):
         return layer.values
