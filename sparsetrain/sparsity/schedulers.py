@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparsetrain.sparsity.graphed import GraphedUpdate
 from sparsetrain.sparsity.layout import check_density, n_active_blocks, to_scores_grid
 from sparsetrain.sparsity.nm import NM
 from sparsetrain.sparsity.policies import Magnitude, Policy, get_policy
@@ -216,6 +217,7 @@ class PruneRegrow(SparsityScheduler):
         self.start, self.end = _check_fraction(start, "start"), _check_fraction(end, "end")
         if self.end <= self.start:
             raise ValueError(f"end ({end}) must be after start ({start})")
+        self._graphed: GraphedUpdate | bool | None = None
 
     @property
     def method(self) -> str:
@@ -253,6 +255,11 @@ class PruneRegrow(SparsityScheduler):
             return None
         frac = self.drop_fn(step)
         grads = self._reduced_grads() if self.policy.needs_grad else {}
+        if self._graphed is None:   # decided at the first update, once the layers' kernel plans exist
+            self._graphed = GraphedUpdate.for_scheduler(self) or False
+        if self._graphed and self._graphed.run(step, frac, grads):
+            n = self._graphed.last_count
+            return {"event": "mask_update", "pruned": n, "regrown": n, "drop_fraction": frac}
         pruned = regrown = 0
         updates = []
         for i, (name, layer) in enumerate(self.layers.items()):

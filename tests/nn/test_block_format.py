@@ -746,8 +746,8 @@ def test_gpu_mask_update_waits_for_nothing_where_every_table_is_built_on_the_gpu
     blocks active before and after keep their weights and moments, the others are zero."""
     layer, opt, meta = _gpu_ffn_layer(dw_cuda=False)
     assert not layer.wants_host_mask()
-    before, old, new = _kept_storage(meta), layer.mask.clone(), _shuffled(layer.mask)
     dense, moment = layer.dense_weight().float(), values_to_dense(opt.state[layer.values]["exp_avg"], meta).float()
+    before, old, new = _kept_storage(meta), layer.mask.clone(), _shuffled(layer.mask)   # (block_index kept now)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

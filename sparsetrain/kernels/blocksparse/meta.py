@@ -97,7 +97,7 @@ class BlockSparseMeta:
                    F.pad(mask.sum(1).cumsum(0), (1, 0)).to(i32), (pos % C).to(i32), (pos // C).to(i32),
                    F.pad(mask.sum(0).cumsum(0), (1, 0)).to(i32), t_rows.to(i32), slot_of[t_rows * C + t_cols].to(i32))
 
-    def rewrite_(self, mask: Tensor) -> bool:
+    def rewrite_(self, mask: Tensor, host_later: bool = False) -> bool:
         """Install the topology of ``mask`` (a bool block mask with this one's grid and active count) in place:
         the six index tensors, every derived list or table kept here and so every kept launch plan keep their
         storage and read the new topology, so kernels captured in a CUDA graph stay valid. Each kept entry is
@@ -108,8 +108,11 @@ class BlockSparseMeta:
         Where no kept entry needs the host (:meth:`needs_host_mask`), the new topology is built where this metadata
         lives, in lists of sizes known from the grid and the active count: a GPU rewrite then waits for nothing,
         and the mask's count is not checked (the caller keeps it). Otherwise it is built on the host from a copy of
-        ``mask`` (tiny index grids; given a CPU ``mask``, a rewrite of a CUDA metadata waits for nothing either)."""
-        on_host = self.needs_host_mask()
+        ``mask`` (tiny index grids; given a CPU ``mask``, a rewrite of a CUDA metadata waits for nothing either).
+        ``host_later``: build on the device all the same and leave the :data:`HOST_ONLY` entries for
+        :meth:`rewrite_host_` (a caller updating many layers copies all their masks to the host at once; until
+        then those entries still describe the old topology)."""
+        on_host = self.needs_host_mask() and not host_later
         mask = mask.cpu() if on_host else mask.to(self.device)
         counted = mask.device.type == "cpu"   # counting waits for nothing there
         new = BlockSparseMeta.from_mask(mask, (self.block_rows, self.block_cols),
@@ -119,6 +122,8 @@ class BlockSparseMeta:
                              f"mask has grid {new.grid} and {new.n_blocks}")
         copies = [(getattr(self, n), getattr(new, n)) for n in self.TENSORS]
         for key, value in self._groups.items():
+            if host_later and _kind(key) in HOST_ONLY:
+                continue
             rule = REFILL.get(_kind(key))
             pairs = rule(new, key, value) if rule is not None else None
             if pairs is None:
@@ -130,6 +135,36 @@ class BlockSparseMeta:
             _copy_into(copies)
         for hook in REWRITTEN:
             hook(self)
+        return True
+
+    def rewrite_host_(self, mask: Tensor) -> bool:
+        """The :data:`HOST_ONLY` entries' part of ``rewrite_(mask, host_later=True)``, from the new mask on the host.
+        False where one cannot follow (a table the new topology outgrows): the caller then builds a new metadata."""
+        new = BlockSparseMeta.from_mask(mask.cpu(), (self.block_rows, self.block_cols))
+        if new.grid != self.grid or new.n_blocks != self.n_blocks:
+            raise ValueError(f"rewrite_host_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the "
+                             f"new mask has grid {new.grid} and {new.n_blocks}")
+        copies = []
+        for key, value in self._groups.items():
+            if _kind(key) in HOST_ONLY:
+                pairs = REFILL[_kind(key)](new, key, value)
+                if pairs is None or any(dst.shape != src.shape for dst, src in pairs):
+                    return False
+                copies += pairs
+        with torch.no_grad():
+            _copy_into(copies)
+        return True
+
+    def rewrites_in_place(self) -> bool:
+        """Whether :meth:`rewrite_` can refill every kept entry on this metadata's device, in the tensors kept
+        (every kind has a rule, lists are the fixed-size ones, plans are stable), the :data:`HOST_ONLY` entries
+        left for :meth:`rewrite_host_`."""
+        for key, value in self._groups.items():
+            kind = _kind(key)
+            if kind not in REFILL or (kind in ("dds", "dw") and key[-1] is not True):
+                return False
+            if kind in ("plans", "calls") and _stable_plans(self, key, value) is None:
+                return False
         return True
 
     def needs_host_mask(self) -> bool:

@@ -91,6 +91,15 @@ class WeightFormat:
         all their masks to the host at once instead of one sync per layer). Default: no."""
         return False
 
+    def finish_mask_update(self, layer: nn.Module, host_mask: Tensor) -> None:
+        """The host part of a ``set_mask(..., defer_host=True)`` (formats whose ``wants_host_mask`` can be True)."""
+
+    def graph_update_key(self, layer: nn.Module) -> tuple | None:
+        """None, or the identities of every tensor ``set_mask`` reads and writes where it can run inside a CUDA
+        graph (no host sync, no new tensor kept): a graphed update replays while the key stays the same. Default:
+        None (not graph-safe)."""
+        return None
+
     def n_active(self, layer: nn.Module) -> int:
         """Active blocks of the layer's mask (a format that keeps the count on the host answers without a sync)."""
         return int(layer.mask.sum().item())

@@ -156,7 +156,7 @@ class BlockFormat(WeightFormat):
                 values.data = new.contiguous()
         self._install_meta(layer, meta)
 
-    def set_mask(self, layer, new_mask, optimizer=None):
+    def set_mask(self, layer, new_mask, optimizer=None, defer_host=False):
         """Rewrite the topology keeping the active count: surviving blocks and their optimizer moments
         move to their new slots, newly active blocks start at zero with zeroed moments. The index buffers, and
         every entry list, kernel table and launch plan kept on them, are rewritten in place
@@ -168,7 +168,9 @@ class BlockFormat(WeightFormat):
         given the new mask there, the update waits for nothing, unless a kept table is built on the host
         (:meth:`wants_host_mask`): then it copies the mask there, or takes a host ``new_mask`` as it is (a
         scheduler copies the masks of all such layers in one transfer). A GPU mask's count is checked on the
-        device (a wrong count stops the process at its next sync); a host mask's here."""
+        device (a wrong count stops the process at its next sync); a host mask's here. ``defer_host``: the tables
+        built on the host are left for :meth:`finish_mask_update` (the device part then waits for nothing, and may
+        be captured in a CUDA graph)."""
         meta = self.meta(layer)
         n, dev = meta.n_blocks, layer.mask.device
         new_mask = new_mask.to(dtype=torch.bool)
@@ -188,12 +190,29 @@ class BlockFormat(WeightFormat):
                 if torch.is_tensor(v) and v.shape == layer.values.shape:
                     _move_blocks(v, src)
             layer.mask.copy_(new_mask)
-        if not meta.rewrite_(host if host is not None else new_mask):   # in place where every kept table can follow
+        later = defer_host and host is None
+        if not meta.rewrite_(host if host is not None else new_mask, host_later=later):   # in place where it can
             self._install_meta(layer, self._build_meta(layer, new_mask, dev))
+
+    def finish_mask_update(self, layer, host_mask):
+        """The host part of ``set_mask(..., defer_host=True)``, given the layer's new mask on the host."""
+        meta = self.meta(layer)
+        if meta.needs_host_mask() and not meta.rewrite_host_(host_mask):
+            self._install_meta(layer, self._build_meta(layer, layer.mask, layer.mask.device))
 
     def wants_host_mask(self, layer) -> bool:
         """Whether a mask update builds a kept table on the host (then a host copy of the new mask saves a sync)."""
         return self.meta(layer).needs_host_mask()
+
+    def graph_update_key(self, layer):
+        """On a GPU, where every kept table is rebuilt in place, on the device (the tables built on the host follow
+        in ``finish_mask_update``), and ``values`` is whole: the metadata, its tensors and kept entries, ``values``
+        and the mask, by identity (a change means a new capture)."""
+        meta = self.meta(layer)
+        if meta.device.type != "cuda" or is_sharded(layer.values) or not meta.rewrites_in_place():
+            return None
+        return (id(meta), *(id(getattr(meta, n)) for n in meta.TENSORS), tuple(meta._groups),
+                *(id(v) for v in meta._groups.values()), id(layer.values), layer.values.data_ptr(), id(layer.mask))
 
     def weight_parameter(self, layer):
         return layer.values

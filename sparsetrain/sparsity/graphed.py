@@ -1,0 +1,171 @@
+"""Prune-and-regrow as one replayed CUDA graph: a mask update of every layer in one launch.
+
+An update of a :class:`~sparsetrain.sparsity.schedulers.PruneRegrow` scheduler is the same few dozen small ops per
+layer every time (scores, the choice, the block moves, the topology's index lists), and on a GPU each op costs
+more to launch from Python than to run. Where every layer can be updated with no host sync into tensors it keeps
+(``layer.graph_update_key()`` is not None: the block format whose kept tables are all built on the device), the
+built-in policies (SET, RigL) run that sequence from a CUDA graph:
+
+- what changes from one update to the next comes in through static buffers filled before the replay: each layer's
+  drop count ``k`` (the drop fraction's schedule), and the grow scores (SET: the very numbers of the CPU generator
+  seeded from (seed, step, layer), written into pinned memory; RigL: the block sums of the all-reduced dense
+  gradient, computed eagerly);
+- the choice is a rank test (``rank < k``) instead of a ``topk(k)`` whose shape would follow ``k``: the same
+  blocks, ties broken by index as :func:`~sparsetrain.sparsity.layout.topk_mask` does;
+- the first update runs the sequence eagerly, the second captures and replays it, later ones replay it. Whenever
+  what a layer keeps changed since the capture (a new launch plan's table, new buffers), the update runs eagerly
+  and the next one captures again.
+
+The same sequence runs eagerly on any device (CPU tests compare it with the per-layer path).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sparsetrain.sparsity import criteria
+from sparsetrain.sparsity.layout import grid_shape, to_scores_grid
+from sparsetrain.sparsity.policies import SET, RigL
+
+
+def ranked(scores: Tensor, k: Tensor) -> Tensor:
+    """Bool mask of ``scores``' shape, True at its ``k`` largest entries (``k`` a 0-d device tensor), ties broken
+    by index: the blocks :func:`~sparsetrain.sparsity.layout.topk_mask` picks, with shapes that do not follow k."""
+    flat = scores.reshape(-1)
+    order = torch.argsort(flat, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
+    return (rank < k).view(scores.shape)
+
+
+def why_not_graphed(sched) -> str | None:
+    """Why ``sched``'s updates cannot run from one graph (None: they can)."""
+    if type(sched.policy) not in (SET, RigL):
+        return f"policy {type(sched.policy).__name__} is not a built-in one (SET, RigL)"
+    for name, layer in sched.layers.items():
+        key = getattr(layer, "graph_update_key", lambda: None)()
+        if key is None:
+            return f"layer {name} cannot be updated without the host"
+    return None
+
+
+class GraphedUpdate:
+    """The update sequence of ``sched``'s layers over static inputs, run eagerly or replayed from a CUDA graph."""
+
+    def __init__(self, sched) -> None:
+        self.sched = sched
+        self.layers = list(sched.layers.values())
+        self.grids = [grid_shape((m.out_features, m.in_features), m.block) for m in self.layers]
+        sizes = [r * c for r, c in self.grids]
+        device = self.layers[0].mask.device
+        self.on_cuda = device.type == "cuda"
+        self.k = torch.zeros(len(self.layers), dtype=torch.long, device=device)
+        self.grow = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        self.grow_parts = [p.view(g) for p, g in zip(self.grow.split(sizes), self.grids)]
+        pin = self.on_cuda
+        self.k_host = torch.zeros(len(self.layers), dtype=torch.long, pin_memory=pin)
+        self.grow_host = (torch.zeros(sum(sizes), dtype=torch.float32, pin_memory=pin)
+                          if type(sched.policy) is SET else None)
+        self._host_parts = None if self.grow_host is None else [
+            p.view(g) for p, g in zip(self.grow_host.split(sizes), self.grids)]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.keys: list | None = None
+        self.done = None          # the event after the last copy from pinned memory
+        self.replays = self.captures = self.eager = 0
+
+    # -- inputs ------------------------------------------------------------------------------------------
+    def _fill(self, step: int, counts: list[int], grads: dict[str, Tensor]) -> None:
+        if self.done is not None:
+            self.done.synchronize()          # the previous update's copies out of pinned memory are done
+        self.k_host.copy_(torch.tensor(counts, dtype=torch.long))
+        sched = self.sched
+        if self.grow_host is not None:       # SET: the generator's numbers, as criteria.random draws them
+            for i, part in enumerate(self._host_parts):
+                torch.rand(part.shape, generator=sched._generator(step, i), out=part)
+            self.grow.copy_(self.grow_host, non_blocking=True)
+        else:                                # RigL: block sums of |dense gradient|, on the device
+            for name, part, layer in zip(sched.layers, self.grow_parts, self.layers):
+                g = grads[name]
+                part.copy_(to_scores_grid(criteria.gradient(g), g.shape, layer.block))
+        self.k.copy_(self.k_host, non_blocking=True)
+        if self.on_cuda:
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    # -- the sequence -----------------------------------------------------------------------------------
+    def _body(self) -> None:
+        opt = self.sched.optimizer
+        for i, layer in enumerate(self.layers):
+            mask = layer.mask
+            w = layer.dense_weight()
+            drop = to_scores_grid(self.sched.policy.drop_scores(w, None, mask), w.shape, layer.block)
+            dropped = ranked(-drop.float().masked_fill(~mask, float("inf")), self.k[i])
+            grown = ranked(self.grow_parts[i].masked_fill(mask, float("-inf")), self.k[i])
+            layer.set_mask((mask & ~dropped) | grown, opt, defer_host=True)
+
+    def _finish(self) -> None:
+        """The host part of the layers whose update has one: their new masks to the host in one copy."""
+        pending = [layer for layer in self.layers if layer.wants_host_mask()]
+        if pending:
+            flat = torch.cat([layer.mask.reshape(-1) for layer in pending]).cpu()
+            for layer, part in zip(pending, flat.split([layer.mask.numel() for layer in pending])):
+                layer.finish_mask_update(part.view(layer.mask.shape))
+
+    @classmethod
+    def for_scheduler(cls, sched) -> GraphedUpdate | None:
+        """The graphed update of a PruneRegrow scheduler whose layers all allow it, else None."""
+        return cls(sched) if why_not_graphed(sched) is None else None
+
+    def counts(self, frac: float) -> list[int]:
+        """Blocks each layer drops (and grows) at drop fraction ``frac``, clipped as ``update_mask`` clips them."""
+        out = []
+        for layer, (r, c) in zip(self.layers, self.grids):
+            n_active = layer.n_active
+            out.append(max(0, min(int(round(frac * n_active)), n_active, r * c - n_active)))
+        return out
+
+    def run(self, step: int, frac: float, grads: dict[str, Tensor]) -> bool:
+        """The update at ``step`` with drop fraction ``frac``; False (nothing done) where a layer no longer allows
+        it (the caller then updates layer by layer). ``last_count``: the blocks dropped (and grown) in all."""
+        keys = self._keys()
+        if any(key[0] is None for key in keys):
+            return False
+        counts = self.counts(frac)
+        self.last_count = sum(counts)
+        self._fill(step, counts, grads)
+        for layer in self.layers:
+            layer.dense_grad = None
+        if self.graph is not None and keys == self.keys:
+            self.graph.replay()
+            self.replays += 1
+        elif self.on_cuda and self.eager > 0 and keys == self.keys:
+            self._capture()
+        else:
+            self.graph = None
+            self._body()
+            self.eager += 1
+        self._finish()
+        self.keys = self._keys()   # what the next update must find to replay (the first one may add entries)
+        return True
+
+    def eager_update(self, step: int, frac: float, grads: dict[str, Tensor]) -> None:
+        """The same sequence run eagerly, on any device (what the graph replays; tests compare it)."""
+        self._fill(step, self.counts(frac), grads)
+        self._body()
+        self._finish()
+
+    def _keys(self) -> list:
+        """What the sequence reads and writes, by identity: each layer's kept tensors and its optimizer state."""
+        state = self.sched.optimizer.state if self.sched.optimizer is not None else {}
+        return [(layer.graph_update_key(), tuple(id(v) for v in state.get(layer.weight_parameter(), {}).values()
+                                                 if torch.is_tensor(v)))
+                for layer in self.layers]
+
+    def _capture(self) -> None:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._body()
+        self.graph = graph
+        self.captures += 1
+        graph.replay()
+        self.replays += 1

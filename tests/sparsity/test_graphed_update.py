@@ -1,0 +1,131 @@
+"""The prune-and-regrow sequence a CUDA graph replays (sparsity/graphed.py) against the per-layer update: the same
+masks, weights and Adam moments for the same seeds, on the block format; the rank test against topk_mask."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sparsetrain.nn import sparsify
+from sparsetrain.sparsity import PruneRegrow
+from sparsetrain.sparsity.graphed import GraphedUpdate, ranked, why_not_graphed
+from sparsetrain.sparsity.layout import topk_mask
+from sparsetrain.sparsity.policies import SET, RigL
+
+
+def _setup(policy: str, seed: int = 0):
+    """Three block-sparse linears of two shapes after two Adam steps, a PruneRegrow scheduler attached, and the
+    all-position gradient of each layer (what RigL scores) from one more backward."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 96))
+    sparsify(model, density=0.25, block=16, format="block", seed=seed)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = PruneRegrow(policy=policy, drop_fraction=0.5, drop_schedule="cosine", interval=2, seed=seed)
+    sched.attach(model, opt, total_steps=20)
+    x = torch.randn(32, 64)
+    for step in (1, 2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    for layer in sched.layers.values():
+        layer.capture_dense_grad = True
+    model(x).square().mean().backward()
+    return model, opt, sched
+
+
+def _state(model, opt):
+    out = {k: v.clone() for k, v in model.state_dict().items()}
+    for i, st in enumerate(opt.state.values()):
+        out.update({f"opt{i}.{k}": v.clone() for k, v in st.items() if torch.is_tensor(v)})
+    return out
+
+
+@pytest.mark.parametrize("policy", ["set", "rigl"])
+def test_the_graphed_sequence_gives_the_per_layer_update_exactly(policy):
+    model_a, opt_a, sched_a = _setup(policy)
+    model_b, opt_b, sched_b = _setup(policy)
+    assert why_not_graphed(sched_b) is not None   # on the CPU the scheduler updates layer by layer
+    for step in (4, 6, 8):
+        record = sched_a.step(step)               # the per-layer path
+        frac = sched_b.drop_fn(step)
+        grads = sched_b._reduced_grads() if sched_b.policy.needs_grad else {}
+        graphed = GraphedUpdate(sched_b)
+        graphed.eager_update(step, frac, grads)
+        sched_b.step_count = step
+        assert record["pruned"] == sum(graphed.counts(frac)) > 0
+        a, b = _state(model_a, opt_a), _state(model_b, opt_b)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (step, k)
+        for m in (*sched_a.layers.values(), *sched_b.layers.values()):   # RigL: a fresh gradient for the next
+            m.dense_grad, m.capture_dense_grad = None, True
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        for model in (model_a, model_b):
+            model(x).square().mean().backward()
+
+
+def test_ranked_picks_the_blocks_topk_mask_picks_ties_by_index():
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randint(0, 5, (12, 9), generator=gen).float()     # many ties
+    for k in (0, 1, 7, 50, 108):
+        assert torch.equal(ranked(scores, torch.tensor(k)), topk_mask(scores, k)), k
+
+
+def test_only_built_in_policies_and_graph_safe_layers_are_graphed():
+    class Mine(SET):
+        pass
+
+    _, _, sched = _setup("set")
+    assert "cannot be updated without the host" in why_not_graphed(sched)   # CPU layers
+    sched.policy = Mine()
+    assert "not a built-in" in why_not_graphed(sched)
+    sched.policy = RigL()
+    assert "cannot be updated without the host" in why_not_graphed(sched)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy,dw", [("set", "triton"), ("rigl", "triton"), ("set", "cuda"), ("rigl", "cuda")])
+def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw):
+    """On the GPU a PruneRegrow scheduler updates from one CUDA graph: the first update eagerly, the second captured,
+    the later ones replayed; after each, the masks, values and Adam moments equal those of the same scheduler
+    updating layer by layer, and the layers compute the new topology. With the Triton weight-gradient kernel forced
+    every kept table is built on the device; with the CUDA one its CTA table follows on the host after the replay
+    (one copy of all masks)."""
+    from sparsetrain.kernels.blocksparse import _cuda, gather
+    from sparsetrain.kernels.blocksparse.testing import forced_config
+
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 512))
+        sparsify(model, density=0.1, block=16, format="block", seed=0)
+        model = model.to("cuda", torch.bfloat16)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        sched = PruneRegrow(policy=policy, drop_fraction=0.5, interval=2, seed=0).attach(model, opt, total_steps=40)
+        return model, opt, sched
+
+    forced = dict(fwd=gather.DDS_CANDIDATES[16][0], dx=gather.DDS_CANDIDATES[16][0],
+                  dw=gather.DW_CANDIDATES[16][0] if dw == "triton" else _cuda.DW_CANDIDATES[0])
+    runs = [setup(), setup()]
+    runs[0][2]._graphed = False                     # layer by layer
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    with forced_config(**forced):
+        for step in range(1, 13):
+            for model, opt, sched in runs:
+                model(x).float().square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sched.step(step)
+            if step % 2 == 0:
+                (a, oa, _), (b, ob, _) = runs
+                for k, v in a.state_dict().items():
+                    assert torch.equal(v, b.state_dict()[k]), (step, k)
+                for pa, pb in zip(a.parameters(), b.parameters()):
+                    for k, v in oa.state[pa].items():
+                        assert torch.equal(v, ob.state[pb][k]), (step, k)
+    graphed = runs[1][2]._graphed
+    assert graphed and graphed.eager == 1 and graphed.captures == 1 and graphed.replays == 5
+    assert all(m.wants_host_mask() == (dw == "cuda") for m in runs[1][2].layers.values())
+    for layer in runs[1][2].layers.values():
+        xi = torch.randn(64, layer.in_features, device="cuda", dtype=torch.bfloat16)
+        torch.testing.assert_close(layer(xi).float(), (xi @ layer.dense_weight().t() + layer.bias).float(),
+                                   rtol=2e-2, atol=2e-2)
