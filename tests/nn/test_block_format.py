@@ -739,12 +739,14 @@ def _shuffled(mask: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-def test_gpu_mask_update_waits_for_nothing_where_every_table_is_built_on_the_gpu():
-    """With the CUDA forward/input-gradient tables and the Triton weight-gradient groups kept, ``set_mask`` given
-    the new mask on the GPU moves the blocks and Adam moments and rebuilds the topology and every kept table there,
-    in place, waiting for nothing (sync debug mode "error"); the tables then hold what a fresh build holds, the
-    blocks active before and after keep their weights and moments, the others are zero."""
-    layer, opt, meta = _gpu_ffn_layer(dw_cuda=False)
+@pytest.mark.parametrize("dw_cuda", [False, True])
+def test_gpu_mask_update_waits_for_nothing(dw_cuda):
+    """With the CUDA forward/input-gradient tables and the weight-gradient kernel's tables kept (Triton groups, or
+    the CUDA kernel's CTA table), ``set_mask`` given the new mask on the GPU moves the blocks and Adam moments and
+    rebuilds the topology and every kept table there, in place, waiting for nothing (sync debug mode "error"); the
+    tables then hold what a fresh build holds, the blocks active before and after keep their weights and moments,
+    the others are zero."""
+    layer, opt, meta = _gpu_ffn_layer(dw_cuda=dw_cuda)
     assert not layer.wants_host_mask()
     dense, moment = layer.dense_weight().float(), values_to_dense(opt.state[layer.values]["exp_avg"], meta).float()
     before, old, new = _kept_storage(meta), layer.mask.clone(), _shuffled(layer.mask)   # (block_index kept now)
@@ -755,7 +757,8 @@ def test_gpu_mask_update_waits_for_nothing_where_every_table_is_built_on_the_gpu
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert layer._bs_meta is meta and _kept_storage(meta) == before
-    assert {"dds", "dw", "bs_dds_info", "bs_wbound"} <= _kept_tables_match_a_fresh_build(meta, new)
+    want = {"dds", "bs_dds_info", "bs_wbound", "bs_dw_table" if dw_cuda else "dw"}
+    assert want <= _kept_tables_match_a_fresh_build(meta, new)
     both = to_element_mask(old & new, Block(16, 16))
     torch.testing.assert_close(layer.dense_weight().float(), torch.where(both, dense, 0.0), rtol=0, atol=0)
     torch.testing.assert_close(values_to_dense(opt.state[layer.values]["exp_avg"], meta).float(),
@@ -763,11 +766,15 @@ def test_gpu_mask_update_waits_for_nothing_where_every_table_is_built_on_the_gpu
 
 
 @pytest.mark.gpu
-def test_gpu_mask_update_with_a_host_built_table_takes_the_mask_from_the_host():
-    """With the CUDA weight-gradient kernel's CTA table kept (built on the host), the layer asks for the mask on
-    the host: given it there, ``set_mask`` waits for nothing; given it on the GPU, exactly once (its copy). An
-    update of several such layers (``apply_masks``, the schedulers' path) copies their masks in one transfer."""
+def test_gpu_mask_update_with_a_host_built_table_takes_the_mask_from_the_host(monkeypatch):
+    """A kept table whose rule builds on the host (``meta.HOST_ONLY``; the CUDA weight-gradient table made one
+    here): the layer asks for the mask on the host: given it there, ``set_mask`` waits for nothing; given it on
+    the GPU, exactly once (its copy). An update of several such layers (``apply_masks``, the schedulers' path)
+    copies their masks in one transfer."""
+    from sparsetrain.kernels.blocksparse import meta as meta_module
     from sparsetrain.sparsity.update import apply_masks
+
+    monkeypatch.setattr(meta_module, "HOST_ONLY", {"bs_dw_table"})
 
     layer, opt, meta = _gpu_ffn_layer(dw_cuda=True)
     assert layer.wants_host_mask()

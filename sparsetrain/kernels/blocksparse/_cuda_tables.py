@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsetrain.kernels.blocksparse.meta import HOST_ONLY, REFILL, keep_as_is, same_builder
+from sparsetrain.kernels.blocksparse import _dw_fixed
+from sparsetrain.kernels.blocksparse.meta import FITS, REFILL, keep_as_is, same_builder
 
 STRIP_BLOCKS = 32  # widest strip a "strips" CTA of the weight-gradient kernel stages of its strip operand (blocks)
 # Longest side of a "tiles" rectangle (blocks): both staged widths at most 56 * 16 columns take
@@ -326,15 +327,26 @@ class _Layout(NamedTuple):
 
 #: The CTA layouts of the weight-gradient kernel, by the name a tuner config carries.
 DW_LAYOUTS: dict[str, _Layout] = {
-    "strips": _Layout(_dw_rows, _strip_widths, lambda meta, cap: 0),
+    "strips": _Layout(_dw_rows, _strip_widths, lambda meta, cap: _dw_fixed.strips_most(meta, cap, STRIP_BLOCKS)),
     "tiles": _Layout(_dw_tile_rows, _tile_widths, _tile_most),
 }
 
 
 def _refill_dw_table(new, key: tuple, value) -> list[tuple[Tensor, Tensor]] | None:
-    """The new topology's CTA rows in the kept table, if they fit: no more CTAs than its rows (the staged widths
-    are the largest any topology needs, :func:`dw_widths`)."""
+    """The new topology's CTA rows in the kept table, built where it lives (:mod:`._dw_fixed`): the table has room
+    for every topology of its grid and active count, and the staged widths are the largest any needs
+    (:func:`dw_widths`). A table kept from before that room was reserved is refilled from the host build, if the
+    rows fit."""
     cta, blk, aw, bw = value
+    _, with_bias, cap, layout = key
+    if cta.shape[0] >= DW_LAYOUTS[layout].most(new, cap):
+        if layout == "tiles":
+            fresh, fresh_blk = _dw_fixed.tile_rows(new, with_bias, cap, cta.shape[0])
+        else:
+            fresh, fresh_blk = _dw_fixed.strip_rows(new, with_bias, cap, cta.shape[0], STRIP_BLOCKS, _x_whole(new))
+        return [(cta, fresh), (blk, fresh_blk)] if fresh_blk.shape == blk.shape else None
+    if new.device.type != "cpu":
+        return None
     fresh, fresh_blk, new_aw, new_bw = DW_LAYOUTS[key[3]].rows(new, key[1], key[2])
     if fresh.shape[0] > cta.shape[0] or new_aw > aw or new_bw > bw or fresh_blk.shape != blk.shape:
         return None
@@ -348,4 +360,4 @@ REFILL.update({
     "bs_dw_table": _refill_dw_table,
     "bs_dw_used": keep_as_is,
 })
-HOST_ONLY.add("bs_dw_table")   # its CTA rows are cut by walking the topology in Python
+FITS["bs_dw_table"] = lambda meta, key, value: value[0].shape[0] >= DW_LAYOUTS[key[3]].most(meta, key[2])

@@ -163,6 +163,8 @@ class BlockSparseMeta:
             kind = _kind(key)
             if kind not in REFILL or (kind in ("dds", "dw") and key[-1] is not True):
                 return False
+            if kind in FITS and not FITS[kind](self, key, value):
+                return False
             if kind in ("plans", "calls") and _stable_plans(self, key, value) is None:
                 return False
         return True
@@ -342,6 +344,10 @@ def _stable_plans(new: BlockSparseMeta, key: str, value: dict) -> list | None:
 #: Kinds of kept entries whose :data:`REFILL` rule builds on the host (it walks the topology in Python): a metadata
 #: keeping one rewrites on the host (:meth:`BlockSparseMeta.needs_host_mask`).
 HOST_ONLY: set[str] = set()
+
+#: For kinds whose :data:`REFILL` rule may refuse a topology on the device: ``fits(meta, key, value)``, True where
+#: it refills every topology of this grid and active count.
+FITS: dict[str, object] = {}
 
 #: Called with a metadata after :meth:`BlockSparseMeta.rewrite_` changed its topology (e.g. the custom ops'
 #: registry, which finds a metadata by its tensors' addresses, makes sure those now lead to this one).

@@ -269,3 +269,29 @@ def test_dw_splits_fill_one_wave():
     assert dw_splits(32768, 32, 200, 132) == 1
     assert dw_splits(256, 32, 1, 132) == 2          # 8 chunks: 4 each
     assert dw_splits(5, 16, 1, 132) == 1
+
+
+@pytest.mark.parametrize("cap", [CAP, 16, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_fixed_size_build_gives_the_host_builds_rows(layout, cap):
+    """The CTA table built in whole-tensor ops (``_dw_fixed``: no host sync on a GPU, what a mask update runs)
+    holds exactly the host build's rows, then zeros, in the kept table's size, and the same block rows: every case
+    above, both bias settings, caps that cut rectangles and strips into many CTAs."""
+    from sparsetrain.kernels.blocksparse import _dw_fixed
+    from sparsetrain.kernels.blocksparse._cuda_tables import STRIP_BLOCKS, _x_whole
+
+    for name, mask in CASES:
+        meta = BlockSparseMeta.from_mask(mask, 16)
+        for with_bias in (True, False):
+            cta, blk, _, _ = dw_table(meta, with_bias, cap, layout)
+            used = dw_ctas_used(meta, with_bias, cap, layout)
+            assert cta.shape[0] >= DW_LAYOUTS[layout].most(meta, cap)      # room for any topology
+            if layout == "tiles":
+                got, got_blk = _dw_fixed.tile_rows(meta, with_bias, cap, cta.shape[0])
+            else:
+                got, got_blk = _dw_fixed.strip_rows(meta, with_bias, cap, cta.shape[0], STRIP_BLOCKS,
+                                                    _x_whole(meta))
+            assert got.dtype == cta.dtype and got_blk.dtype == blk.dtype
+            assert torch.equal(got[:used], cta[:used]), (name, with_bias)
+            assert not got[used:].any(), (name, with_bias)
+            assert torch.equal(got_blk, blk), (name, with_bias)
