@@ -124,7 +124,7 @@ def strips_most(meta, cap: int, strip_blocks: int) -> int:
 def strip_rows(meta, with_bias: bool, cap: int, size: int, strip_blocks: int, x_whole: bool
                ) -> tuple[Tensor, Tensor]:
     """``(cta [size, 8], blk)`` of the "strips" layout (``_dw_rows`` + ``_pack``, zero rows after)."""
-    (R, C), dev, n = meta.grid, meta.device, meta.n_blocks
+    R, dev, n = meta.grid[0], meta.device, meta.n_blocks
     if x_whole:
         order, rr, cc = torch.arange(n, device=dev), meta.row_idx.long(), meta.col_idx.long()
         strip = rr
