@@ -12,9 +12,9 @@ built-in policies (SET, RigL) run that sequence from a CUDA graph:
   gradient, computed eagerly);
 - the choice is a rank test (``rank < k``) instead of a ``topk(k)`` whose shape would follow ``k``: the same
   blocks, ties broken by index as :func:`~sparsetrain.sparsity.layout.topk_mask` does;
-- the first update runs the sequence eagerly, the second captures and replays it, later ones replay it. Whenever
-  what a layer keeps changed since the capture (a new launch plan's table, new buffers), the update runs eagerly
-  and the next one captures again.
+- the first update captures the sequence and replays it, later ones replay it. Whenever what a layer keeps changed
+  since the capture (a new launch plan's table, new buffers), the update captures again; where a capture fails
+  the update runs eagerly (after two failures, every later one).
 
 The same sequence runs eagerly on any device (CPU tests compare it with the per-layer path).
 """
@@ -70,7 +70,7 @@ class GraphedUpdate:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.keys: list | None = None
         self.done = None          # the event after the last copy from pinned memory
-        self.replays = self.captures = self.eager = 0
+        self.replays = self.captures = self.eager = self.failed = 0
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _fill(self, step: int, counts: list[int], grads: dict[str, Tensor]) -> None:
@@ -137,9 +137,7 @@ class GraphedUpdate:
         if self.graph is not None and keys == self.keys:
             self.graph.replay()
             self.replays += 1
-        elif self.on_cuda and self.eager > 0 and keys == self.keys:
-            self._capture()
-        else:
+        elif not (self.on_cuda and self._capture()):
             self.graph = None
             self._body()
             self.eager += 1
@@ -160,12 +158,22 @@ class GraphedUpdate:
                                                  if torch.is_tensor(v)))
                 for layer in self.layers]
 
-    def _capture(self) -> None:
+    def _capture(self) -> bool:
+        """Capture the sequence and replay it (capture only records); False where the capture failed (twice in a
+        run: no further try), nothing then changed on the device and the update runs eagerly."""
+        if self.failed >= 2:
+            return False
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._body()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._body()
+        except RuntimeError:
+            torch.cuda.synchronize()
+            self.failed += 1
+            return False
         self.graph = graph
         self.captures += 1
         graph.replay()
         self.replays += 1
+        return True
