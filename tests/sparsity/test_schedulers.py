@@ -257,10 +257,10 @@ from sparsetrain.sparsity import PruneRegrow, SET, RigL
 rank = int(sys.argv[1])
 dist.init_process_group("gloo", init_method="file://{store}", rank=rank, world_size=2)
 out = {{}}
-for pol in (SET(), RigL()):
+for pol, fmt, block in ((SET(), "masked", 8), (RigL(), "masked", 8), (SET(), "block", 16), (RigL(), "block", 16)):
     torch.manual_seed(0)
     model = MLP()
-    layers = sparsify(model, targets=["up", "down"], density=0.25, block=8, seed=0)
+    layers = sparsify(model, targets=["up", "down"], density=0.25, block=block, format=fmt, seed=0)
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     sched = PruneRegrow(policy=pol, drop_fraction=0.4, num_updates=4).attach(model, opt, 20)
@@ -269,7 +269,9 @@ for pol in (SET(), RigL()):
         x = torch.randn(8, 64, generator=gen); y = torch.randint(0, 4, (8,), generator=gen)
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad(); loss.backward(); opt.step(); sched.step(step)
-    out[type(pol).__name__] = {{n: l.mask.clone() for n, l in layers.items()}}
+    out[type(pol).__name__ + fmt] = {{n: l.mask.clone() for n, l in layers.items()}}
+    if fmt == "block":   # the values the kernels read follow the mask, on every rank alike
+        out[type(pol).__name__ + fmt + "values"] = {{n: l.dense_weight().clone() for n, l in layers.items()}}
 torch.save(out, {outdir!r} + f"/rank{{rank}}.pt")
 # both ranks reach teardown together, and skip interpreter shutdown: a gloo peer that exits first can make the
 # other abort in its destructors ("terminate called without an active exception", seen once in CI)
@@ -292,14 +294,16 @@ def test_two_rank_masks_identical(tmp_path):
     procs = [subprocess.Popen([sys.executable, str(script), str(r)], env=env) for r in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     a, b = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert len(a) == len(b) == 6
+    for key in a:
+        for n in a[key]:
+            assert a[key][n].equal(b[key][n]), (key, n)
     for pol in ("SET", "RigL"):
-        for n in a[pol]:
-            assert a[pol][n].equal(b[pol][n]), (pol, n)
-        # and the masks really moved during training (not a trivially static run)
-        torch.manual_seed(0)
-        m = MLP()
-        init = sparsify(m, targets=["up", "down"], density=0.25, block=8, seed=0)
-        assert any(not init[n].mask.equal(a[pol][n]) for n in init)
+        for fmt, block in (("masked", 8), ("block", 16)):
+            # and the masks really moved during training (not a trivially static run)
+            torch.manual_seed(0)
+            init = sparsify(MLP(), targets=["up", "down"], density=0.25, block=block, format=fmt, seed=0)
+            assert any(not init[n].mask.equal(a[pol + fmt][n]) for n in init), (pol, fmt)
 
 
 def test_a_run_too_short_for_its_updates_is_told_before_it_starts():
