@@ -21,15 +21,13 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsetrain.sparsity.graphed import GraphedUpdate
-from sparsetrain.sparsity.layout import check_density, n_active_blocks, to_scores_grid
-from sparsetrain.sparsity.nm import NM
-from sparsetrain.sparsity.policies import Magnitude, Policy, get_policy
+from sparsetrain.sparsity.layout import to_scores_grid
+from sparsetrain.sparsity.policies import Policy, get_policy
 from sparsetrain.sparsity.protocol import SparseLayer, sparse_layers
-from sparsetrain.sparsity.schedules import CubicDensity, UpdateSchedule, make_drop_schedule
-from sparsetrain.sparsity.update import apply_masks, prune_to, update_mask
+from sparsetrain.sparsity.schedules import UpdateSchedule, make_drop_schedule
+from sparsetrain.sparsity.update import apply_masks, update_mask
 
-__all__ = ["Dense", "GradualMagnitude", "PruneRegrow", "SparseThenDense", "SparsityScheduler", "Static",
-           "sparse_layers"]
+__all__ = ["Dense", "PruneRegrow", "SparsityScheduler", "Static", "sparse_layers"]
 
 
 def _check_fraction(value: float, name: str) -> float:
@@ -301,144 +299,3 @@ class PruneRegrow(SparsityScheduler):
     def load_state_dict(self, state):
         self.policy.load_state_dict(state.get("policy", {}))
         super().load_state_dict(state)
-
-
-class GradualMagnitude(SparsityScheduler):
-    """Zhu & Gupta (2017): prune by magnitude from ``initial_density`` to each layer's target density along
-    a cubic schedule, at ``num_updates`` evenly spaced steps in ``[start, end)`` of training."""
-
-    shrinks_count = True
-    name = "gradual_magnitude"
-
-    def __init__(self, initial_density: float = 1.0, num_updates: int = 100, start: float = 0.0,
-                 end: float = 0.75, seed: int = 0) -> None:
-        super().__init__(seed)
-        self.initial = check_density(initial_density, "initial_density")
-        if int(num_updates) < 1:
-            raise ValueError(f"num_updates must be >= 1, got {num_updates}")
-        self.num_updates = int(num_updates)
-        self.start, self.end = _check_fraction(start, "start"), _check_fraction(end, "end")
-        if self.end <= self.start:
-            raise ValueError(f"end ({end}) must be after start ({start})")
-        self.targets: dict[str, float] = {}
-        self.policy = Magnitude()
-
-    def initial_density(self, target: float) -> float:
-        return max(self.initial, target)
-
-    def set_targets(self, targets: dict[str, float]) -> None:
-        """Final density per layer name (from the distribution); set before ``attach``."""
-        self.targets = dict(targets)
-
-    def _on_attach(self) -> None:
-        for name, layer in self.layers.items():
-            caps = layer.caps
-            if caps.keeps_count or caps.straight_through or caps.needs_nm:
-                raise ValueError(f"gradual_magnitude needs a format whose active count can shrink and whose pruned "
-                                 f"weights stay zero, such as sparsity.format=masked (layer {name} uses "
-                                 f"{layer.format_name!r})")
-            self.targets.setdefault(name, layer.density)
-        self.schedule = self.update_schedule(self.total_steps)
-        s, e = self.schedule.start, self.schedule.end
-        self.cubic = {name: CubicDensity(self.initial_density(t), t, s, e) for name, t in self.targets.items()}
-
-    def update_schedule(self, total_steps: int) -> UpdateSchedule:
-        s, e = int(self.start * total_steps), max(1, int(round(self.end * total_steps)))
-        n = min(self.num_updates, max(1, e - s - 1))
-        return UpdateSchedule.from_num_updates(n, s, e) if e - s >= 2 else UpdateSchedule(s, e, 1)
-
-    def is_update_step(self, step: int) -> bool:
-        return self.schedule.is_update_step(step) or step == self.schedule.end
-
-    def _update(self, step):
-        if not self.is_update_step(step):
-            return None
-        pruned = 0
-        for name, layer in self.layers.items():
-            k = n_active_blocks(layer.dense_weight().shape, layer.block, self.cubic[name](step))
-            if k >= layer.n_active:
-                continue
-            w = layer.dense_weight()
-            scores = to_scores_grid(self.policy.drop_scores(w, None, layer.mask), w.shape, layer.block)
-            u = prune_to(layer.mask, scores.to(layer.mask.device), k)
-            layer.set_mask(u.mask, self.optimizer)
-            pruned += u.n_dropped
-        return {"event": "mask_update", "pruned": pruned, "regrown": 0, "drop_fraction": 0.0}
-
-
-class SparseThenDense(SparsityScheduler):
-    """2:4 phase for the first ``sparse_fraction`` of training: the transposable 2:4 mask is recomputed from
-    the current dense weights every step while the dense weights keep receiving the (straight-through)
-    gradient; then every layer becomes a plain ``nn.Linear`` reusing the same Parameters, so the optimizer
-    is untouched."""
-
-    produces_nm = True
-    name = "sparse_then_dense"
-
-    def __init__(self, sparse_fraction: float = 0.7, n: int = 2, m: int = 4, seed: int = 0) -> None:
-        super().__init__(seed)
-        self.sparse_fraction = _check_fraction(sparse_fraction, "sparse_fraction")
-        self.nm = NM(n, m, transposable=True)
-        self.switched = False
-
-    def initial_density(self, target: float) -> float:
-        return 1.0
-
-    def _on_attach(self) -> None:
-        for name, layer in self.layers.items():
-            if layer.block.numel != 1:
-                raise ValueError(f"sparse_then_dense needs sparsity.block=1 (layer {name} has {layer.block})")
-            if not layer.caps.straight_through:
-                raise ValueError(f"sparse_then_dense needs a straight-through format (sparsity.format=2:4 or "
-                                 f"masked_st); layer {name} uses {layer.format_name!r}")
-        self.phase_end = int(round(self.sparse_fraction * self.total_steps))
-        if self.step_count < self.phase_end:
-            self._recompute()
-        else:
-            self._switch()
-
-    def prepare_flop_count(self, layers: dict[str, SparseLayer]) -> None:
-        """The 2:4 phase: straight-through layers with the transposable 2:4 mask of their weight."""
-        for layer in layers.values():
-            if not layer.caps.straight_through:
-                layer.set_format("masked_st")
-            if not layer.caps.derives_mask:
-                layer.set_mask(self.nm.mask(layer.weight_parameter().detach()))
-
-    def _recompute(self) -> None:
-        for layer in self.layers.values():
-            if layer.caps.derives_mask:
-                continue  # the format derives the mask inside its forward (the 2:4 kernel format)
-            layer.set_mask(self.nm.mask(layer.weight_parameter().detach()), self.optimizer)
-
-    def _switch(self) -> None:
-        for name, layer in self.layers.items():
-            # the dense module reuses the Parameters themselves: the optimizer keeps its state
-            self.model.set_submodule(name, layer.dense_phase())
-        self.layers = {}
-        self._density = None
-        self.switched = True
-
-    @property
-    def density(self) -> float:
-        return 1.0 if self.switched else self.nm.density
-
-    def is_update_step(self, step: int) -> bool:
-        return not self.switched  # the 2:4 masks follow the weights every step of the sparse phase, then the switch
-
-    def _update(self, step):
-        if self.switched:
-            return None
-        if step >= self.phase_end:
-            self._switch()
-            return {"event": "phase_switch", "phase": "dense", "pruned": 0, "regrown": 0}
-        self._recompute()
-        return None
-
-    def state_dict(self):
-        return {**super().state_dict(), "switched": self.switched}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        if state.get("switched") and not self.switched and self.layers:
-            self._switch()

@@ -309,7 +309,7 @@ def test_two_rank_masks_identical(tmp_path):
 def test_a_run_too_short_for_its_updates_is_told_before_it_starts():
     """bert_rigl's 160 updates over 60 steps would update the masks at every step: said in one line naming the
     key; the recipes' own lengths say nothing."""
-    from sparsetrain.sparsity.schedulers import GradualMagnitude, PruneRegrow, Static
+    from sparsetrain.sparsity import GradualMagnitude, PruneRegrow, Static
 
     note = PruneRegrow(policy="rigl", num_updates=160).schedule_warning(60)
     assert "sparsity.scheduler.num_updates=160 over trainer.max_steps=60 gives 59 mask updates, every step" in note

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from sparsetrain.nn import SparseLinear
+from sparsetrain.sparsity import Dense, GradualMagnitude, Static
 from sparsetrain.sparsity.layout import Block
-from sparsetrain.sparsity.schedulers import Dense, GradualMagnitude, Static
 from sparsetrain.training.setup import build_optimizer, lr_lambda, sparsify_model
 
 KW = dict(targets=["*"], exclude=[], density=0.25, distribution="uniform", density_overrides=None,

@@ -1,0 +1,84 @@
+"""2:4 sparse-then-dense: a transposable 2:4 phase recomputed from the dense weights, then plain dense layers."""
+from __future__ import annotations
+
+from sparsetrain.sparsity.nm import NM
+from sparsetrain.sparsity.protocol import SparseLayer
+from sparsetrain.sparsity.schedulers import SparsityScheduler, _check_fraction
+
+
+class SparseThenDense(SparsityScheduler):
+    """2:4 phase for the first ``sparse_fraction`` of training: the transposable 2:4 mask is recomputed from
+    the current dense weights every step while the dense weights keep receiving the (straight-through)
+    gradient; then every layer becomes a plain ``nn.Linear`` reusing the same Parameters, so the optimizer
+    is untouched."""
+
+    produces_nm = True
+    name = "sparse_then_dense"
+
+    def __init__(self, sparse_fraction: float = 0.7, n: int = 2, m: int = 4, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.sparse_fraction = _check_fraction(sparse_fraction, "sparse_fraction")
+        self.nm = NM(n, m, transposable=True)
+        self.switched = False
+
+    def initial_density(self, target: float) -> float:
+        return 1.0
+
+    def _on_attach(self) -> None:
+        for name, layer in self.layers.items():
+            if layer.block.numel != 1:
+                raise ValueError(f"sparse_then_dense needs sparsity.block=1 (layer {name} has {layer.block})")
+            if not layer.caps.straight_through:
+                raise ValueError(f"sparse_then_dense needs a straight-through format (sparsity.format=2:4 or "
+                                 f"masked_st); layer {name} uses {layer.format_name!r}")
+        self.phase_end = int(round(self.sparse_fraction * self.total_steps))
+        if self.step_count < self.phase_end:
+            self._recompute()
+        else:
+            self._switch()
+
+    def prepare_flop_count(self, layers: dict[str, SparseLayer]) -> None:
+        """The 2:4 phase: straight-through layers with the transposable 2:4 mask of their weight."""
+        for layer in layers.values():
+            if not layer.caps.straight_through:
+                layer.set_format("masked_st")
+            if not layer.caps.derives_mask:
+                layer.set_mask(self.nm.mask(layer.weight_parameter().detach()))
+
+    def _recompute(self) -> None:
+        for layer in self.layers.values():
+            if layer.caps.derives_mask:
+                continue  # the format derives the mask inside its forward (the 2:4 kernel format)
+            layer.set_mask(self.nm.mask(layer.weight_parameter().detach()), self.optimizer)
+
+    def _switch(self) -> None:
+        for name, layer in self.layers.items():
+            # the dense module reuses the Parameters themselves: the optimizer keeps its state
+            self.model.set_submodule(name, layer.dense_phase())
+        self.layers = {}
+        self._density = None
+        self.switched = True
+
+    @property
+    def density(self) -> float:
+        return 1.0 if self.switched else self.nm.density
+
+    def is_update_step(self, step: int) -> bool:
+        return not self.switched  # the 2:4 masks follow the weights every step of the sparse phase, then the switch
+
+    def _update(self, step):
+        if self.switched:
+            return None
+        if step >= self.phase_end:
+            self._switch()
+            return {"event": "phase_switch", "phase": "dense", "pruned": 0, "regrown": 0}
+        self._recompute()
+        return None
+
+    def state_dict(self):
+        return {**super().state_dict(), "switched": self.switched}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        if state.get("switched") and not self.switched and self.layers:
+            self._switch()
