@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sparsetrain import preflight
+from sparsetrain.launch_checks import check_dense_phase
 from sparsetrain.preflight import ConfigError
 from sparsetrain.training.setup import RunSpec, TrainArgs, optimizer_factory, sparsify_model
 
@@ -417,6 +418,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
     validate(cfg)
     sp = cfg.sparsity
     scheduler = build_scheduler(cfg)
+    check_dense_phase(cfg, scheduler)
     sparsify_kwargs = _sparsify_kwargs(cfg)
     t, o = cfg.trainer, cfg.optim
     args = TrainArgs(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from sparsetrain.nn.formats.base import FormatCaps, WeightFormat, get_format
+from sparsetrain.nn.formats.base import FormatCaps, WeightFormat, get_format, is_sharded, swap_parameter
 from sparsetrain.sparsity.layout import (
     Block,
     BlockLike,
@@ -119,6 +119,32 @@ class SparseLinear(nn.Module):
                              f"({self.out_features}, {self.in_features}) Parameter; use to_dense() for a copy")
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         lin.weight = w
+        if self.bias is not None:
+            lin.bias = self.bias
+        return lin
+
+    def densify(self, optimizer: torch.optim.Optimizer | None = None) -> nn.Linear:
+        """The ``nn.Linear`` of a dense phase (sparse-then-dense) that trains on from this layer: a format with a
+        dense weight Parameter hands it over (:meth:`dense_phase`, the optimizer state stays); a compressed one
+        (``block``) gives a new dense Parameter holding ``W_eff``, and ``optimizer`` trains it in the old one's
+        place, its moments laid out densely: the active blocks keep theirs, the positions outside the mask start
+        at zero with zero moments, as regrown blocks do.
+
+        >>> sl = SparseLinear.from_dense(nn.Linear(32, 16), density=0.5, block=16, format="block")
+        >>> lin = sl.densify()
+        >>> type(lin).__name__, tuple(lin.weight.shape), bool(torch.equal(lin.weight, sl.dense_weight()))
+        ('Linear', (16, 32), True)
+        """
+        w = self.weight_parameter()
+        if tuple(w.shape) == (self.out_features, self.in_features):
+            return self.dense_phase()
+        if is_sharded(w):
+            raise ValueError("a sharded (FSDP) block-format layer cannot become dense in place; "
+                             "sparsity.scheduler.dense_from needs one process or data parallelism")
+        dense = nn.Parameter(self.storage.dense_layout(self, w.detach()).clone(), requires_grad=w.requires_grad)
+        swap_parameter(optimizer, w, dense, lambda t: self.storage.dense_layout(self, t))
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        lin.weight = dense
         if self.bias is not None:
             lin.bias = self.bias
         return lin

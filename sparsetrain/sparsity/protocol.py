@@ -81,6 +81,8 @@ class SparseLayer(Protocol):
 
     def dense_phase(self) -> nn.Module: ...
 
+    def densify(self, optimizer: torch.optim.Optimizer | None = None) -> nn.Module: ...
+
 
 def sparse_layers(model: nn.Module) -> dict[str, SparseLayer]:
     """``{qualified name: layer}`` for every module of ``model`` that is a :class:`SparseLayer`."""

@@ -58,8 +58,15 @@ class SparsityScheduler:
     shrinks_count: bool = False
     name: str = "base"
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, dense_from: float | None = None) -> None:
         self.seed = int(seed)
+        if dense_from is not None:
+            if not 0.0 < float(dense_from) <= 1.0:
+                raise ValueError(f"dense_from must be in (0, 1] or null, got {dense_from!r}")
+            self.sparse_fraction = float(dense_from)
+        self.dense_from = None if dense_from is None else float(dense_from)
+        self.dense_step: int | None = None
+        self.switched = False
         self.step_count = 0
         self.layers: dict[str, SparseLayer] = {}
         self.optimizer: torch.optim.Optimizer | None = None
@@ -111,6 +118,8 @@ class SparsityScheduler:
             raise ValueError(f"{type(self).__name__} found no SparseLinear layer: call sparsify(model, ...) first")
         self.optimizer = optimizer
         self.total_steps = int(total_steps)
+        if self.dense_from is not None:
+            self.dense_step = max(1, int(round(self.dense_from * self.total_steps)))
         self._on_attach()
         self._arm(self.step_count + 1)
         self._density = None
@@ -119,7 +128,11 @@ class SparsityScheduler:
     def step(self, step: int | None = None) -> dict[str, Any] | None:
         """Call after optimizer step number ``step`` (1-based). Returns a record when masks changed."""
         self.step_count = self.step_count + 1 if step is None else int(step)
-        record = self._update(self.step_count)
+        if self._dense_due(self.step_count):
+            self._densify()
+            record = {"event": "phase_switch", "phase": "dense", "pruned": 0, "regrown": 0}
+        else:
+            record = None if self.switched and self.dense_from is not None else self._update(self.step_count)
         if record is not None:
             self._density = None
             record.setdefault("step", self.step_count)
@@ -127,14 +140,30 @@ class SparsityScheduler:
         return record
 
     def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "step": self.step_count, "seed": self.seed}
+        out = {"name": self.name, "step": self.step_count, "seed": self.seed}
+        return {**out, "switched": True} if self.switched and self.dense_from is not None else out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"checkpoint holds sparsity state of {state.get('name')!r}, this run uses {self.name!r}")
         self.step_count = int(state["step"])
         self.seed = int(state["seed"])
+        if self.dense_from is not None and state.get("switched") and not self.switched:
+            self._densify()   # before the model and optimizer states, which the dense phase saved
         self._arm(self.step_count + 1)
+
+    # -- sparse-then-dense (``dense_from``) ---------------------------------------------------------------
+    def _dense_due(self, step: int) -> bool:
+        return self.dense_step is not None and not self.switched and step >= self.dense_step
+
+    def _densify(self) -> None:
+        """Every sparse layer becomes an ``nn.Linear`` (``layer.densify``): its weight kept, the positions outside
+        the mask trainable from zero, with zero optimizer moments, as regrowth does."""
+        for name, layer in self.layers.items():
+            self.model.set_submodule(name, layer.densify(self.optimizer))
+        self.layers = {}
+        self._density = None
+        self.switched = True
 
     @property
     def density(self) -> float:
@@ -177,10 +206,18 @@ class Dense(SparsityScheduler):
 
 
 class Static(SparsityScheduler):
-    """The mask chosen at initialisation (random or magnitude, see ``sparsify(init=...)``) never changes."""
+    """The mask chosen at initialisation (random or magnitude, see ``sparsify(init=...)``) never changes.
+    ``dense_from``: the fraction of training after which every sparse layer trains dense (sparse-then-dense)."""
 
     static_topology = True
     name = "static"
+
+    def __init__(self, dense_from: float | None = None, seed: int = 0) -> None:
+        super().__init__(seed, dense_from)
+        self.static_topology = dense_from is None   # the dense phase replaces the layers
+
+    def is_update_step(self, step: int) -> bool:
+        return self._dense_due(step)
 
 
 class PruneRegrow(SparsityScheduler):
@@ -190,15 +227,16 @@ class PruneRegrow(SparsityScheduler):
 
     ``num_updates`` spaces that many updates evenly over ``[start, end)`` (Graphcore: 160); alternatively
     give ``interval``. ``start``/``end`` are fractions of training. ``drop_fraction`` follows
-    ``drop_schedule`` (constant, cosine, linear) down to 0 at ``end``.
+    ``drop_schedule`` (constant, cosine, linear) down to 0 at ``end``. ``dense_from``: the fraction of training
+    after which every sparse layer trains dense (sparse-then-dense; no update after it).
     """
 
     name = "prune_regrow"
 
     def __init__(self, policy: str | Policy = "set", drop_fraction: float = 0.5, drop_schedule: str = "cosine",
                  num_updates: int | None = None, interval: int | None = None, start: float = 0.0,
-                 end: float = 1.0, seed: int = 0) -> None:
-        super().__init__(seed)
+                 end: float = 1.0, seed: int = 0, dense_from: float | None = None) -> None:
+        super().__init__(seed, dense_from)
         self.policy = get_policy(policy)
         self.drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
         make_drop_schedule(drop_schedule, self.drop_fraction, 1)  # validate the name now
@@ -246,7 +284,7 @@ class PruneRegrow(SparsityScheduler):
                 layer.dense_grad = None
 
     def is_update_step(self, step: int) -> bool:
-        return self.schedule.is_update_step(step)
+        return self._dense_due(step) or (not self.switched and self.schedule.is_update_step(step))
 
     def _update(self, step: int) -> dict[str, Any] | None:
         if not self.is_update_step(step):

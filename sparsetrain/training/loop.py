@@ -165,7 +165,7 @@ class Trainer:
             sharded=acc.distributed_type == DistributedType.FSDP,
             running_stats=any(getattr(m, "track_running_stats", False) for m in model.modules()))
         self.step_sync = acc.num_processes > 1 and (self.use_graph or _STEP_SYNC_WITHOUT_GRAPH)
-        self.model, self.optimizer = model, optimizer = wrap(acc, model, optimizer, self.step_sync)
+        self.model, self.optimizer = model, optimizer = wrap(acc, model, optimizer, self.step_sync, self.scheduler)
         self.inner = acc.unwrap_model(model)
         self.raw_opt = getattr(optimizer, "optimizer", optimizer)
         self.scheduler.attach(self.inner, self.raw_opt, total_steps=args.max_steps)

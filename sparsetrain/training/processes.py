@@ -23,10 +23,14 @@ def start_accelerator(mixed_precision: str, cpu: bool, wandb: bool, run_dir: Pat
     return accelerator
 
 
-def wrap(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_sync: bool):
+def wrap(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_sync: bool, scheduler=None):
     """``(model, optimizer)`` prepared by Accelerate. ``step_sync``: DDP's reducer cannot be captured, so the
     model is placed and given autocast as prepare() does, without the DDP wrapper (accelerate calls that
-    evaluation_mode), and starts from rank 0's weights as under DDP."""
+    evaluation_mode), and starts from rank 0's weights as under DDP. A ``scheduler`` with a dense phase
+    (``dense_from``) needs ``step_sync`` with several processes (config validation says so first)."""
+    if getattr(scheduler, "dense_from", None) is not None and accelerator.num_processes > 1 and not step_sync:
+        raise ValueError("sparsity.scheduler.dense_from: with several processes the dense phase needs the CUDA-graph "
+                         "step's own gradient sync (DDP and FSDP keep the Parameters the run started with)")
     if step_sync:
         model = accelerator.prepare_model(model, evaluation_mode=True)
         optimizer = accelerator.prepare_optimizer(optimizer)

@@ -319,14 +319,16 @@ def build_train_step(model, compiled, optimizer, raw_opt, accelerator, args: Tra
         make_graph_safe(raw_opt, accelerator.device)
     else:
         make_eager_safe(raw_opt)
-    params = [p for p in model.parameters() if p.requires_grad]   # the order of accelerate's clip: the same norm
+    def params():   # the order of accelerate's clip (the same norm); read again after a dense phase's new layers
+        return [p for p in model.parameters() if p.requires_grad]
+
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
-    sync = GradSync(lambda: params, accelerator.num_processes) if step_sync else None
+    sync = GradSync(params, accelerator.num_processes) if step_sync else None
 
     def clip():
         if not args.clip_grad_norm:
             return None
-        return torch.nn.utils.clip_grad_norm_(params, args.clip_grad_norm, foreach=use_graph or None)
+        return torch.nn.utils.clip_grad_norm_(params(), args.clip_grad_norm, foreach=use_graph or None)
 
     def autocast():
         # Attention: the fused kernels named first, the fp32 math path last. (The graph steps' fall to the math

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from sparsetrain.sparsity.protocol import FormatCaps
 
 __all__ = ["FORMATS", "FormatCaps", "WeightFormat", "get_format", "known_formats", "register_format",
-           "is_sharded", "resolve_format", "whole", "write_whole", "zero_optimizer_state"]
+           "is_sharded", "resolve_format", "swap_parameter", "whole", "write_whole", "zero_optimizer_state"]
 
 #: Registered formats by name. Built-in: masked, masked_st, block, 2:4.
 FORMATS: dict[str, type[WeightFormat]] = {}
@@ -90,6 +90,11 @@ class WeightFormat:
         """Whether ``set_mask`` works from a host copy of the new mask (a caller updating many layers then copies
         all their masks to the host at once instead of one sync per layer). Default: no."""
         return False
+
+    def dense_layout(self, layer: nn.Module, t: Tensor) -> Tensor:
+        """A tensor laid out like the weight Parameter (its optimizer moments, say) as the dense ``(out, in)`` tensor
+        of the effective weight's positions, zero elsewhere. Default: it is laid out densely already."""
+        return t
 
     def finish_mask_update(self, layer: nn.Module, host_mask: Tensor) -> None:
         """The host part of a ``set_mask(..., defer_host=True)`` (formats whose ``wants_host_mask`` can be True)."""
@@ -202,3 +207,16 @@ def zero_optimizer_state(optimizer: torch.optim.Optimizer | None, param: Tensor,
     for value in state.values():
         if torch.is_tensor(value) and value.shape == param.shape:
             value.masked_fill_(where.to(value.device), 0)
+
+
+def swap_parameter(optimizer: torch.optim.Optimizer | None, old: Tensor, new: Tensor, convert) -> None:
+    """Let ``optimizer`` train ``new`` where it trained ``old`` (same param group), with ``old``'s per-element state
+    converted by ``convert`` and its other state (step counts) kept."""
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        group["params"] = [new if p is old else p for p in group["params"]]
+    state = optimizer.state.pop(old, None)
+    if state:
+        optimizer.state[new] = {k: convert(v) if torch.is_tensor(v) and v.shape == old.shape else v
+                                for k, v in state.items()}

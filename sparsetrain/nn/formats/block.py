@@ -200,6 +200,9 @@ class BlockFormat(WeightFormat):
         if meta.needs_host_mask() and not meta.rewrite_host_(host_mask):
             self._install_meta(layer, self._build_meta(layer, layer.mask, layer.mask.device))
 
+    def dense_layout(self, layer, t):
+        return values_to_dense(whole(t), self.meta(layer))
+
     def wants_host_mask(self, layer) -> bool:
         """Whether a mask update builds a kept table on the host (then a host copy of the new mask saves a sync)."""
         return self.meta(layer).needs_host_mask()
