@@ -130,15 +130,17 @@ def _method_from_scheduler(config: dict) -> str | None:
     target = _config_get(config, "sparsity", "scheduler", "_target_")
     if not isinstance(target, str) or not target:
         return None
+    dense_from = _number(_config_get(config, "sparsity", "scheduler", "dense_from"))
+    suffix = f"+dense@{dense_from:g}" if dense_from is not None else ""
     if target.rsplit(".", 1)[-1] != "PruneRegrow":
-        return _class_label(target, "sparsetrain.sparsity.schedulers")
+        return _class_label(target, "sparsetrain.sparsity") + suffix
     policy = _config_get(config, "sparsity", "scheduler", "policy")
     if isinstance(policy, dict) and isinstance(policy.get("_target_"), str):
-        return "prune_regrow/" + _class_label(policy["_target_"], "sparsetrain.sparsity.policies")
+        return "prune_regrow/" + _class_label(policy["_target_"], "sparsetrain.sparsity.policies") + suffix
     from sparsetrain.sparsity.policies import POLICIES
 
     name = "set" if policy is None else str(policy)  # PruneRegrow's default policy
-    return f"prune_regrow/{POLICIES[name].name}" if name in POLICIES else f"prune_regrow/{name}"
+    return (f"prune_regrow/{POLICIES[name].name}" if name in POLICIES else f"prune_regrow/{name}") + suffix
 
 
 def _method_from_config(config: dict) -> str | None:

@@ -175,7 +175,11 @@ class SparsityScheduler:
         return self._density
 
     def describe(self) -> str:
-        return self.name
+        """The run's method label: the name, and ``+dense@F`` for a dense phase from fraction F."""
+        return self.name + self._dense_label()
+
+    def _dense_label(self) -> str:
+        return f"+dense@{self.dense_from:g}" if self.dense_from is not None else ""
 
     def is_update_step(self, step: int) -> bool:
         """Whether ``step(step)`` may rewrite masks: the loop checks the weights are finite before it does (a host
@@ -260,7 +264,7 @@ class PruneRegrow(SparsityScheduler):
         return f"prune_regrow/{self.policy.name}"
 
     def describe(self) -> str:
-        return self.method
+        return self.method + self._dense_label()
 
     def update_schedule(self, total_steps: int) -> UpdateSchedule:
         s, e = int(self.start * total_steps), max(1, int(round(self.end * total_steps)))

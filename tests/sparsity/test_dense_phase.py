@@ -143,3 +143,17 @@ def test_a_dense_phase_with_several_processes_needs_the_graph_steps_own_sync(mon
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(ConfigError):
         build_run(compose([*args, "trainer=gpu"]))
+
+
+def test_a_dense_phase_is_part_of_the_method_label_in_the_summary_and_from_the_config():
+    from sparsetrain.pareto.runs import _method_from_scheduler
+
+    assert Static(dense_from=0.7).describe() == "static+dense@0.7" and Static().describe() == "static"
+    assert PruneRegrow(policy="set", dense_from=0.5).describe() == "prune_regrow/random+dense@0.5"
+    sched = {"_target_": "sparsetrain.sparsity.PruneRegrow", "policy": {"_target_": "sparsetrain.sparsity.RigL"},
+             "dense_from": 0.5}
+    assert _method_from_scheduler({"sparsity": {"scheduler": sched}}) == "prune_regrow/gradient+dense@0.5"
+    for target, label in (("sparsetrain.sparsity.Static", "static"), ("sparsetrain.sparsity.GradualMagnitude",
+                                                                     "gradual_magnitude"),
+                          ("sparsetrain.sparsity.SparseThenDense", "sparse_then_dense")):
+        assert _method_from_scheduler({"sparsity": {"scheduler": {"_target_": target, "dense_from": None}}}) == label
