@@ -163,6 +163,8 @@ class GraphedUpdate:
         run: no further try), nothing then changed on the device and the update runs eagerly."""
         if self.failed >= 2:
             return False
+        for layer in self.layers:   # what a layer builds and keeps on first use is built outside the capture
+            layer.dense_weight()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
