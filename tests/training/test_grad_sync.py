@@ -152,7 +152,22 @@ def _loop_worker(rank: int, port: int, root: str, build, runs: list[tuple[str, s
 
 
 def _spawn_runs(root, build, runs) -> None:
-    spawn_pair(_loop_worker, _free_ports(len(runs)), str(root), build, runs)
+    """The runs on two processes. A port another process on the machine took between the check and the bind
+    (EADDRINUSE, seen once when two test sessions ran at once) is tried again on other ports, from a clean root."""
+    import shutil
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    for attempt in range(3):
+        try:
+            spawn_pair(_loop_worker, _free_ports(len(runs)), str(root), build, runs)
+            return
+        except mp.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+            for child in Path(root).iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
 def _free_ports(n: int) -> int:
