@@ -157,3 +157,23 @@ def test_a_dense_phase_is_part_of_the_method_label_in_the_summary_and_from_the_c
                                                                      "gradual_magnitude"),
                           ("sparsetrain.sparsity.SparseThenDense", "sparse_then_dense")):
         assert _method_from_scheduler({"sparsity": {"scheduler": {"_target_": target, "dense_from": None}}}) == label
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_cli_dense_phase_recompiles_and_captures_again(tmp_path):
+    """On a GPU through the CLI (tiny quickstart, `trainer=gpu`: compiled, graphed steps, block kernels): the switch
+    at step 20 of 40 is logged, the step is captured again for the dense layers, and the run finishes with finite
+    losses whose FLOPs count the dense phase."""
+    from test_cli import TINY, cli, rows
+
+    d = tmp_path / "run"
+    cli("train", "recipe=quickstart", "trainer=gpu", "sparsity=static", "sparsity.format=block", "sparsity.block=16",
+        "sparsity.scheduler.dense_from=0.5", "trainer.max_steps=40", "trainer.log_every=10", "trainer.eval_every=20",
+        "trainer.checkpoint_every=0", "logger=quiet", *TINY, f"hydra.run.dir={d}")
+    assert [(e["step"], e["event"]) for e in rows(d, "event") if e["event"] == "phase_switch"] == [(20, "phase_switch")]
+    losses = [x["loss"] for x in rows(d, "loss")]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["graph_captures"] >= 2, summary
+    assert summary["method"] == "static+dense@0.5"
