@@ -341,7 +341,7 @@ def _refill_dw_table(new, key: tuple, value) -> list[tuple[Tensor, Tensor]] | No
     _, with_bias, cap, layout = key
     if cta.shape[0] >= DW_LAYOUTS[layout].most(new, cap):
         if layout == "tiles":
-            fresh, fresh_blk = _dw_fixed.tile_rows(new, with_bias, cap, cta.shape[0])
+            fresh, fresh_blk = _dw_fixed.tile_rows(new, with_bias, cap, cta.shape[0], dw_tiles(new.grid, new.n_blocks, cap))
         else:
             fresh, fresh_blk = _dw_fixed.strip_rows(new, with_bias, cap, cta.shape[0], STRIP_BLOCKS, _x_whole(new))
         return [(cta, fresh), (blk, fresh_blk)] if fresh_blk.shape == blk.shape else None

@@ -53,12 +53,11 @@ def _pack(rows: Tensor, owner: Tensor, order: Tensor, rr: Tensor, cc: Tensor, b:
     return out.to(torch.int32), blk.to(torch.int32)
 
 
-def tile_rows(meta, with_bias: bool, cap: int, size: int) -> tuple[Tensor, Tensor]:
-    """``(cta [size, 8], blk)`` of the "tiles" layout (``_dw_tile_rows`` + ``_pack``, zero rows after)."""
-    from sparsetrain.kernels.blocksparse._cuda_tables import dw_tiles
-
+def tile_rows(meta, with_bias: bool, cap: int, size: int, tiles: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """``(cta [size, 8], blk)`` of the "tiles" layout (``_dw_tile_rows`` + ``_pack``, zero rows after) for the cut of
+    the grid in ``tiles = (nr, nc)`` rectangles (``dw_tiles``)."""
     (R, C), dev, n = meta.grid, meta.device, meta.n_blocks
-    nr, nc = dw_tiles(meta.grid, n, cap)
+    nr, nc = tiles
     rr, cc = meta.row_idx.long(), meta.col_idx.long()
     cell = _bands(R, nr, dev)[rr] * nc + _bands(C, nc, dev)[cc]
     order = torch.argsort(cell, stable=True)          # blocks by rectangle, slot order inside one

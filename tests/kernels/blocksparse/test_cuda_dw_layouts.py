@@ -287,7 +287,8 @@ def test_the_fixed_size_build_gives_the_host_builds_rows(layout, cap):
             used = dw_ctas_used(meta, with_bias, cap, layout)
             assert cta.shape[0] >= DW_LAYOUTS[layout].most(meta, cap)      # room for any topology
             if layout == "tiles":
-                got, got_blk = _dw_fixed.tile_rows(meta, with_bias, cap, cta.shape[0])
+                got, got_blk = _dw_fixed.tile_rows(meta, with_bias, cap, cta.shape[0],
+                                                   dw_tiles(meta.grid, meta.n_blocks, cap))
             else:
                 got, got_blk = _dw_fixed.strip_rows(meta, with_bias, cap, cta.shape[0], STRIP_BLOCKS,
                                                     _x_whole(meta))
