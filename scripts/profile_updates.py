@@ -85,9 +85,7 @@ def measure(policy, a) -> dict:
             (update_ms if rec else step_ms).append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
     step_med = sorted(s for s, _ in step_ms)[len(step_ms) // 2]
     upd_med = sorted(u for _, u in update_ms)[len(update_ms) // 2]
-    host_tables = sum(bool(getattr(m, "wants_host_mask", lambda: False)()) for m in sched.layers.values())
-    return {"policy": type(policy).__name__, "layers": len(sched.layers), "host_tables": host_tables,
-            "step_ms": step_med,
+    return {"policy": type(policy).__name__, "layers": len(sched.layers), "step_ms": step_med,
             "update_ms": upd_med, "update_in_steps": upd_med / step_med, **detail}
 
 
@@ -105,10 +103,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"\nBERT-{a.model}, {a.batch}x{a.seq} tokens, 90% sparse {a.block}x{a.block} blocks, format=block, "
           f"{torch.cuda.get_device_name()}")
-    print(f"{'policy':<6} {'layers':>6} {'host':>5} {'step ms':>8} {'update ms':>10} {'= steps':>8} {'syncs':>6} {'copies':>7} "
+    print(f"{'policy':<6} {'layers':>6} {'step ms':>8} {'update ms':>10} {'= steps':>8} {'syncs':>6} {'copies':>7} "
           f"{'launches':>9} {'GPU kernel ms':>14}")
     for r in rows:
-        print(f"{r['policy']:<6} {r['layers']:>6} {r['host_tables']:>5} {r['step_ms']:>8.2f} {r['update_ms']:>10.2f} "
+        print(f"{r['policy']:<6} {r['layers']:>6} {r['step_ms']:>8.2f} {r['update_ms']:>10.2f} "
               f"{r['update_in_steps']:>8.2f} {r.get('syncs', 0):>6} {r.get('copies', 0):>7} {r.get('launches', 0):>9} "
               f"{r.get('kernel_ms', 0):>14.3f}")
     for r in rows:

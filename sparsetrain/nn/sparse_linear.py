@@ -173,25 +173,11 @@ class SparseLinear(nn.Module):
     def element_mask(self) -> Tensor:
         return to_element_mask(self.mask, self.block)
 
-    def set_mask(self, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None,
-                 defer_host: bool = False) -> None:
-        """Rewrite the topology (see :mod:`sparsetrain.nn.formats` for what happens to weights/moments).
-        ``defer_host``: where the format builds part of it on the host (:meth:`wants_host_mask`), leave that part
-        for :meth:`finish_mask_update`, which must follow before the layer computes again."""
+    def set_mask(self, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Rewrite the topology (see :mod:`sparsetrain.nn.formats` for what happens to weights/moments)."""
         if tuple(new_mask.shape) != tuple(self.mask.shape):
             raise ValueError(f"new mask shape {tuple(new_mask.shape)} != {tuple(self.mask.shape)}")
-        if defer_host and self.wants_host_mask():
-            self.storage.set_mask(self, new_mask.to(torch.bool), optimizer, defer_host=True)
-        else:
-            self.storage.set_mask(self, new_mask.to(torch.bool), optimizer)
-
-    def finish_mask_update(self, host_mask: Tensor) -> None:
-        """The host part of ``set_mask(..., defer_host=True)``, given the new mask (``self.mask``) on the host."""
-        self.storage.finish_mask_update(self, host_mask)
-
-    def wants_host_mask(self) -> bool:
-        """Whether :meth:`set_mask` would rather get the new mask on the host (its format builds a table there)."""
-        return self.storage.wants_host_mask(self)
+        self.storage.set_mask(self, new_mask.to(torch.bool), optimizer)
 
     def graph_update_key(self):
         """None, or what :meth:`set_mask` touches, by identity, where it can be replayed from a CUDA graph."""

@@ -100,15 +100,7 @@ class GraphedUpdate:
             drop = to_scores_grid(self.sched.policy.drop_scores(w, None, mask), w.shape, layer.block)
             dropped = ranked(-drop.float().masked_fill(~mask, float("inf")), self.k[i])
             grown = ranked(self.grow_parts[i].masked_fill(mask, float("-inf")), self.k[i])
-            layer.set_mask((mask & ~dropped) | grown, opt, defer_host=True)
-
-    def _finish(self) -> None:
-        """The host part of the layers whose update has one: their new masks to the host in one copy."""
-        pending = [layer for layer in self.layers if layer.wants_host_mask()]
-        if pending:
-            flat = torch.cat([layer.mask.reshape(-1) for layer in pending]).cpu()
-            for layer, part in zip(pending, flat.split([layer.mask.numel() for layer in pending])):
-                layer.finish_mask_update(part.view(layer.mask.shape))
+            layer.set_mask((mask & ~dropped) | grown, opt)
 
     @classmethod
     def for_scheduler(cls, sched) -> GraphedUpdate | None:
@@ -141,7 +133,6 @@ class GraphedUpdate:
             self.graph = None
             self._body()
             self.eager += 1
-        self._finish()
         self.keys = self._keys()   # what the next update must find to replay (the first one may add entries)
         return True
 
@@ -149,7 +140,6 @@ class GraphedUpdate:
         """The same sequence run eagerly, on any device (what the graph replays; tests compare it)."""
         self._fill(step, self.counts(frac), grads)
         self._body()
-        self._finish()
 
     def _keys(self) -> list:
         """What the sequence reads and writes, by identity: each layer's kept tensors and its optimizer state."""

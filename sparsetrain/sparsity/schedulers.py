@@ -25,7 +25,7 @@ from sparsetrain.sparsity.layout import to_scores_grid
 from sparsetrain.sparsity.policies import Policy, get_policy
 from sparsetrain.sparsity.protocol import SparseLayer, sparse_layers
 from sparsetrain.sparsity.schedules import UpdateSchedule, make_drop_schedule
-from sparsetrain.sparsity.update import apply_masks, update_mask
+from sparsetrain.sparsity.update import update_mask
 
 __all__ = ["Dense", "PruneRegrow", "SparsityScheduler", "Static", "sparse_layers"]
 
@@ -301,7 +301,6 @@ class PruneRegrow(SparsityScheduler):
             n = self._graphed.last_count
             return {"event": "mask_update", "pruned": n, "regrown": n, "drop_fraction": frac}
         pruned = regrown = 0
-        updates = []
         for i, (name, layer) in enumerate(self.layers.items()):
             w, mask = layer.dense_weight(), layer.mask
             g = grads.get(name)
@@ -317,11 +316,10 @@ class PruneRegrow(SparsityScheduler):
                           for t in (drop, grow))
             u = update_mask(mask, drop, grow, n, n_active)
             if u.n_dropped:
-                updates.append((layer, u.mask))
+                layer.set_mask(u.mask, self.optimizer)
             pruned += u.n_dropped
             regrown += u.n_grown
             layer.dense_grad = None
-        apply_masks(updates, self.optimizer)
         return {"event": "mask_update", "pruned": pruned, "regrown": regrown, "drop_fraction": frac}
 
     def _reduced_grads(self) -> dict[str, torch.Tensor]:

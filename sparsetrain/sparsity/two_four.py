@@ -35,7 +35,7 @@ class SparseThenDense(SparsityScheduler):
         if self.step_count < self.phase_end:
             self._recompute()
         else:
-            self._switch()
+            self._densify()   # straight-through layers hand over their dense Parameters
 
     def prepare_flop_count(self, layers: dict[str, SparseLayer]) -> None:
         """The 2:4 phase: straight-through layers with the transposable 2:4 mask of their weight."""
@@ -51,14 +51,6 @@ class SparseThenDense(SparsityScheduler):
                 continue  # the format derives the mask inside its forward (the 2:4 kernel format)
             layer.set_mask(self.nm.mask(layer.weight_parameter().detach()), self.optimizer)
 
-    def _switch(self) -> None:
-        for name, layer in self.layers.items():
-            # the dense module reuses the Parameters themselves: the optimizer keeps its state
-            self.model.set_submodule(name, layer.dense_phase())
-        self.layers = {}
-        self._density = None
-        self.switched = True
-
     @property
     def density(self) -> float:
         return 1.0 if self.switched else self.nm.density
@@ -70,7 +62,7 @@ class SparseThenDense(SparsityScheduler):
         if self.switched:
             return None
         if step >= self.phase_end:
-            self._switch()
+            self._densify()   # straight-through layers hand over their dense Parameters
             return {"event": "phase_switch", "phase": "dense", "pruned": 0, "regrown": 0}
         self._recompute()
         return None
@@ -81,4 +73,4 @@ class SparseThenDense(SparsityScheduler):
     def load_state_dict(self, state):
         super().load_state_dict(state)
         if state.get("switched") and not self.switched and self.layers:
-            self._switch()
+            self._densify()   # straight-through layers hand over their dense Parameters

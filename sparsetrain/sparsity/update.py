@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from sparsetrain.sparsity.layout import topk_mask
-from sparsetrain.sparsity.protocol import SparseLayer
 
 _NEG = float("-inf")
 
@@ -64,18 +63,3 @@ def prune_to(mask: Tensor, scores: Tensor, k: int) -> MaskUpdate:
     k = max(1, min(int(k), int(mask.sum().item())))
     keep = topk_mask(scores.float().masked_fill(~mask, _NEG), k)
     return MaskUpdate(keep, mask & ~keep, torch.zeros_like(mask))
-
-
-def apply_masks(updates: list[tuple[SparseLayer, Tensor]], optimizer: torch.optim.Optimizer | None) -> None:
-    """``layer.set_mask(mask, optimizer)`` for every pair. The masks of layers that would rather get theirs on the
-    host (``wants_host_mask``: a table built there) go there in one transfer, one host sync for all of them
-    instead of one per layer."""
-    wants = [i for i, (layer, mask) in enumerate(updates)
-             if mask.device.type != "cpu" and getattr(layer, "wants_host_mask", lambda: False)()]
-    masks = [mask for _, mask in updates]
-    if wants:
-        flat = torch.cat([masks[i].reshape(-1) for i in wants]).cpu()
-        for i, part in zip(wants, flat.split([masks[i].numel() for i in wants])):
-            masks[i] = part.view(masks[i].shape)
-    for (layer, _), mask in zip(updates, masks):
-        layer.set_mask(mask, optimizer)

@@ -689,22 +689,6 @@ def test_set_mask_refills_every_kept_table_from_the_host_build():
     torch.testing.assert_close(moment, torch.where(both, moment_before, 0.0), rtol=0, atol=0)
 
 
-def _count_syncs(fn) -> int:
-    """Host syncs of ``fn()`` on the GPU (sync debug mode "warn", counted)."""
-    import warnings
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    # (the mode's own "prototype feature" warning names synchronizing operations too: not a sync)
-    return len([w for w in caught if "called a synchronizing" in str(w.message)])
-
-
 def _gpu_ffn_layer(dw_cuda: bool, seed: int = 0):
     """A BERT-base FFN layer (768 -> 3072, 16x16 blocks, density 0.1) in bf16 on the GPU after one Adam step whose
     kernels are forced: the CUDA forward and input-gradient tiles (entry lists, warp ranges) and, with ``dw_cuda``,
@@ -747,7 +731,7 @@ def test_gpu_mask_update_waits_for_nothing(dw_cuda):
     tables then hold what a fresh build holds, the blocks active before and after keep their weights and moments,
     the others are zero."""
     layer, opt, meta = _gpu_ffn_layer(dw_cuda=dw_cuda)
-    assert not layer.wants_host_mask()
+    assert layer.graph_update_key() is not None        # every kept table is rebuilt on the device
     dense, moment = layer.dense_weight().float(), values_to_dense(opt.state[layer.values]["exp_avg"], meta).float()
     before, old, new = _kept_storage(meta), layer.mask.clone(), _shuffled(layer.mask)   # (block_index kept now)
     torch.cuda.synchronize()
@@ -763,36 +747,3 @@ def test_gpu_mask_update_waits_for_nothing(dw_cuda):
     torch.testing.assert_close(layer.dense_weight().float(), torch.where(both, dense, 0.0), rtol=0, atol=0)
     torch.testing.assert_close(values_to_dense(opt.state[layer.values]["exp_avg"], meta).float(),
                                torch.where(both, moment, 0.0), rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-def test_gpu_mask_update_with_a_host_built_table_takes_the_mask_from_the_host(monkeypatch):
-    """A kept table whose rule builds on the host (``meta.HOST_ONLY``; the CUDA weight-gradient table made one
-    here): the layer asks for the mask on the host: given it there, ``set_mask`` waits for nothing; given it on
-    the GPU, exactly once (its copy). An update of several such layers (``apply_masks``, the schedulers' path)
-    copies their masks in one transfer."""
-    from sparsetrain.kernels.blocksparse import meta as meta_module
-    from sparsetrain.sparsity.update import apply_masks
-
-    monkeypatch.setattr(meta_module, "HOST_ONLY", {"bs_dw_table"})
-
-    layer, opt, meta = _gpu_ffn_layer(dw_cuda=True)
-    assert layer.wants_host_mask()
-    before = _kept_storage(meta)
-    host = _shuffled(layer.mask).cpu()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        layer.set_mask(host, opt)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    assert _kept_storage(meta) == before
-    assert {"dds", "bs_dds_info", "bs_wbound", "bs_dw_table"} <= _kept_tables_match_a_fresh_build(meta, host)
-    new = _shuffled(layer.mask)
-    assert _count_syncs(lambda: layer.set_mask(new, opt)) == 1
-    assert "bs_dw_table" in _kept_tables_match_a_fresh_build(meta, new)
-    layers = [layer] + [_gpu_ffn_layer(dw_cuda=True, seed=s)[0] for s in (1, 2)]
-    news = [_shuffled(m.mask) for m in layers]
-    assert _count_syncs(lambda: apply_masks(list(zip(layers, news)), None)) == 1
-    for m, want in zip(layers, news):
-        assert torch.equal(m.mask, want) and "bs_dw_table" in _kept_tables_match_a_fresh_build(m._bs_meta, want)

@@ -97,7 +97,7 @@ class BlockSparseMeta:
                    F.pad(mask.sum(1).cumsum(0), (1, 0)).to(i32), (pos % C).to(i32), (pos // C).to(i32),
                    F.pad(mask.sum(0).cumsum(0), (1, 0)).to(i32), t_rows.to(i32), slot_of[t_rows * C + t_cols].to(i32))
 
-    def rewrite_(self, mask: Tensor, host_later: bool = False) -> bool:
+    def rewrite_(self, mask: Tensor) -> bool:
         """Install the topology of ``mask`` (a bool block mask with this one's grid and active count) in place:
         the six index tensors, every derived list or table kept here and so every kept launch plan keep their
         storage and read the new topology, so kernels captured in a CUDA graph stay valid. Each kept entry is
@@ -105,25 +105,17 @@ class BlockSparseMeta:
         that is not ``stable``, a table the new topology outgrows) nothing is changed and the result is False:
         the caller then builds a new metadata.
 
-        Where no kept entry needs the host (:meth:`needs_host_mask`), the new topology is built where this metadata
-        lives, in lists of sizes known from the grid and the active count: a GPU rewrite then waits for nothing,
-        and the mask's count is not checked (the caller keeps it). Otherwise it is built on the host from a copy of
-        ``mask`` (tiny index grids; given a CPU ``mask``, a rewrite of a CUDA metadata waits for nothing either).
-        ``host_later``: build on the device all the same and leave the :data:`HOST_ONLY` entries for
-        :meth:`rewrite_host_` (a caller updating many layers copies all their masks to the host at once; until
-        then those entries still describe the old topology)."""
-        on_host = self.needs_host_mask() and not host_later
-        mask = mask.cpu() if on_host else mask.to(self.device)
-        counted = mask.device.type == "cpu"   # counting waits for nothing there
+        The new topology is built where this metadata lives, in lists of sizes known from the grid and the active
+        count: a GPU rewrite waits for nothing, and the mask's count is checked only on the CPU (on a GPU the
+        caller keeps it)."""
+        mask = mask.to(self.device)
         new = BlockSparseMeta.from_mask(mask, (self.block_rows, self.block_cols),
-                                        n_blocks=None if counted else self.n_blocks)
+                                        n_blocks=None if mask.device.type == "cpu" else self.n_blocks)
         if new.grid != self.grid or new.n_blocks != self.n_blocks:
             raise ValueError(f"rewrite_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the new "
                              f"mask has grid {new.grid} and {new.n_blocks}")
         copies = [(getattr(self, n), getattr(new, n)) for n in self.TENSORS]
         for key, value in self._groups.items():
-            if host_later and _kind(key) in HOST_ONLY:
-                continue
             rule = REFILL.get(_kind(key))
             pairs = rule(new, key, value) if rule is not None else None
             if pairs is None:
@@ -137,42 +129,12 @@ class BlockSparseMeta:
             hook(self)
         return True
 
-    def rewrite_host_(self, mask: Tensor) -> bool:
-        """The :data:`HOST_ONLY` entries' part of ``rewrite_(mask, host_later=True)``, from the new mask on the host.
-        False where one cannot follow (a table the new topology outgrows): the caller then builds a new metadata."""
-        new = BlockSparseMeta.from_mask(mask.cpu(), (self.block_rows, self.block_cols))
-        if new.grid != self.grid or new.n_blocks != self.n_blocks:
-            raise ValueError(f"rewrite_host_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the "
-                             f"new mask has grid {new.grid} and {new.n_blocks}")
-        copies = []
-        for key, value in self._groups.items():
-            if _kind(key) in HOST_ONLY:
-                pairs = REFILL[_kind(key)](new, key, value)
-                if pairs is None or any(dst.shape != src.shape for dst, src in pairs):
-                    return False
-                copies += pairs
-        with torch.no_grad():
-            _copy_into(copies)
-        return True
-
     def rewrites_in_place(self) -> bool:
-        """Whether :meth:`rewrite_` can refill every kept entry on this metadata's device, in the tensors kept
-        (every kind has a rule, lists are the fixed-size ones, plans are stable), the :data:`HOST_ONLY` entries
-        left for :meth:`rewrite_host_`."""
-        for key, value in self._groups.items():
-            kind = _kind(key)
-            if kind not in REFILL or (kind in ("dds", "dw") and key[-1] is not True):
-                return False
-            if kind in FITS and not FITS[kind](self, key, value):
-                return False
-            if kind in ("plans", "calls") and _stable_plans(self, key, value) is None:
-                return False
-        return True
-
-    def needs_host_mask(self) -> bool:
-        """Whether :meth:`rewrite_` builds on the host: a kept table's rule is in :data:`HOST_ONLY` (a CUDA
-        metadata then wants the new mask on the host, where a caller can copy the masks of many layers at once)."""
-        return self.device.type != "cpu" and any(_kind(key) in HOST_ONLY for key in self._groups)
+        """Whether :meth:`rewrite_` refills every kept entry for any topology of this grid and active count: every
+        kind has a rule, and its :data:`FITS` condition holds (the lists are the fixed-size ones, the plans are
+        stable, the tables have room)."""
+        return all(_kind(key) in REFILL and FITS.get(_kind(key), _always)(self, key, value)
+                   for key, value in self._groups.items())
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -341,13 +303,13 @@ def _stable_plans(new: BlockSparseMeta, key: str, value: dict) -> list | None:
     return [] if all(p is None or getattr(p, "stable", False) for p in plans) else None
 
 
-#: Kinds of kept entries whose :data:`REFILL` rule builds on the host (it walks the topology in Python): a metadata
-#: keeping one rewrites on the host (:meth:`BlockSparseMeta.needs_host_mask`).
-HOST_ONLY: set[str] = set()
-
-#: For kinds whose :data:`REFILL` rule may refuse a topology on the device: ``fits(meta, key, value)``, True where
-#: it refills every topology of this grid and active count.
+#: For kinds whose :data:`REFILL` rule may refuse a topology: ``fits(meta, key, value)``, True where it refills
+#: every topology of this grid and active count (:meth:`BlockSparseMeta.rewrites_in_place`).
 FITS: dict[str, object] = {}
+
+
+def _always(meta, key, value) -> bool:
+    return True
 
 #: Called with a metadata after :meth:`BlockSparseMeta.rewrite_` changed its topology (e.g. the custom ops'
 #: registry, which finds a metadata by its tensors' addresses, makes sure those now lead to this one).
@@ -368,3 +330,9 @@ REFILL: dict[str, object] = {
     "plans": _stable_plans,
     "calls": _stable_plans,
 }
+FITS.update({
+    "dds": lambda meta, key, value: key[-1] is True,    # the fixed-size lists; the exact ones change size
+    "dw": lambda meta, key, value: key[-1] is True,
+    "plans": lambda meta, key, value: _stable_plans(meta, key, value) is not None,
+    "calls": lambda meta, key, value: _stable_plans(meta, key, value) is not None,
+})

@@ -86,18 +86,10 @@ class WeightFormat:
     def weight_parameter(self, layer: nn.Module) -> nn.Parameter:
         raise NotImplementedError
 
-    def wants_host_mask(self, layer: nn.Module) -> bool:
-        """Whether ``set_mask`` works from a host copy of the new mask (a caller updating many layers then copies
-        all their masks to the host at once instead of one sync per layer). Default: no."""
-        return False
-
     def dense_layout(self, layer: nn.Module, t: Tensor) -> Tensor:
         """A tensor laid out like the weight Parameter (its optimizer moments, say) as the dense ``(out, in)`` tensor
         of the effective weight's positions, zero elsewhere. Default: it is laid out densely already."""
         return t
-
-    def finish_mask_update(self, layer: nn.Module, host_mask: Tensor) -> None:
-        """The host part of a ``set_mask(..., defer_host=True)`` (formats whose ``wants_host_mask`` can be True)."""
 
     def graph_update_key(self, layer: nn.Module) -> tuple | None:
         """None, or the identities of every tensor ``set_mask`` reads and writes where it can run inside a CUDA

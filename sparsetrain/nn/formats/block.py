@@ -60,12 +60,13 @@ def moved_slots(old: Tensor, new: Tensor, n: int) -> Tensor:
     return torch.where(old_flat[pos], old_flat.long().cumsum(0)[pos] - 1, -1)
 
 
-def _move_blocks(t: Tensor, src: Tensor) -> None:
-    """Row ``i`` of ``t`` (blocks in slot order) becomes old row ``src[i]``, or zeros where ``src[i] < 0``. A sharded
-    ``t`` (FSDP2) is gathered, moved whole, and each rank keeps its shard."""
+def _move_blocks(t: Tensor, index: Tensor, fresh: Tensor) -> None:
+    """Row ``i`` of ``t`` (blocks in slot order) becomes old row ``index[i]``, or zeros where ``fresh[i]`` (a block
+    that was not active; :func:`moved_slots`). A sharded ``t`` (FSDP2) is gathered, moved whole, and each rank keeps
+    its shard."""
     full = whole(t)
-    moved = full.index_select(0, src.clamp(min=0))
-    moved.masked_fill_((src < 0).view(-1, *([1] * (full.dim() - 1))), 0)
+    moved = full.index_select(0, index)
+    moved.masked_fill_(fresh.view(-1, *([1] * (full.dim() - 1))), 0)
     write_whole(t, moved)
 
 
@@ -156,21 +157,16 @@ class BlockFormat(WeightFormat):
                 values.data = new.contiguous()
         self._install_meta(layer, meta)
 
-    def set_mask(self, layer, new_mask, optimizer=None, defer_host=False):
+    def set_mask(self, layer, new_mask, optimizer=None):
         """Rewrite the topology keeping the active count: surviving blocks and their optimizer moments
         move to their new slots, newly active blocks start at zero with zeroed moments. The index buffers, and
         every entry list, kernel table and launch plan kept on them, are rewritten in place
         (:meth:`~sparsetrain.kernels.blocksparse.BlockSparseMeta.rewrite_`), so a CUDA graph of the step
-        stays valid; where the new topology does not fit a kept table (the CUDA weight-gradient kernel's CTAs)
-        the layer gets new buffers instead.
+        stays valid; where the new topology does not fit a kept table the layer gets new buffers instead.
 
         Everything is worked out where the layer lives, in tensors whose sizes the active count fixes: on a GPU,
-        given the new mask there, the update waits for nothing, unless a kept table is built on the host
-        (:meth:`wants_host_mask`): then it copies the mask there, or takes a host ``new_mask`` as it is (a
-        scheduler copies the masks of all such layers in one transfer). A GPU mask's count is checked on the
-        device (a wrong count stops the process at its next sync); a host mask's here. ``defer_host``: the tables
-        built on the host are left for :meth:`finish_mask_update` (the device part then waits for nothing, and may
-        be captured in a CUDA graph)."""
+        given the new mask there, the update waits for nothing (and may be captured in a CUDA graph). A GPU mask's
+        count is checked on the device (a wrong count stops the process at its next sync); a host mask's here."""
         meta = self.meta(layer)
         n, dev = meta.n_blocks, layer.mask.device
         new_mask = new_mask.to(dtype=torch.bool)
@@ -180,37 +176,26 @@ class BlockFormat(WeightFormat):
                                  f"count constant at {n}; use set_format('masked') to change density")
         else:
             torch._assert_async(new_mask.sum() == n, f"new_mask must keep the block format's {n} active blocks")
-        host = new_mask if new_mask.device.type == "cpu" else None
         new_mask = new_mask.to(dev, non_blocking=True)   # from pageable host memory: staged, no sync
         src = moved_slots(layer.mask, new_mask, n)
+        index, fresh = src.clamp(min=0), src < 0
         with torch.no_grad():
-            _move_blocks(layer.values.data, src)
+            _move_blocks(layer.values.data, index, fresh)
             state = optimizer.state.get(layer.values) if optimizer is not None else None
             for v in (state or {}).values():
                 if torch.is_tensor(v) and v.shape == layer.values.shape:
-                    _move_blocks(v, src)
+                    _move_blocks(v, index, fresh)
             layer.mask.copy_(new_mask)
-        later = defer_host and host is None
-        if not meta.rewrite_(host if host is not None else new_mask, host_later=later):   # in place where it can
+        if not meta.rewrite_(new_mask):   # in place where every kept table can follow
             self._install_meta(layer, self._build_meta(layer, new_mask, dev))
-
-    def finish_mask_update(self, layer, host_mask):
-        """The host part of ``set_mask(..., defer_host=True)``, given the layer's new mask on the host."""
-        meta = self.meta(layer)
-        if meta.needs_host_mask() and not meta.rewrite_host_(host_mask):
-            self._install_meta(layer, self._build_meta(layer, layer.mask, layer.mask.device))
 
     def dense_layout(self, layer, t):
         return values_to_dense(whole(t), self.meta(layer))
 
-    def wants_host_mask(self, layer) -> bool:
-        """Whether a mask update builds a kept table on the host (then a host copy of the new mask saves a sync)."""
-        return self.meta(layer).needs_host_mask()
-
     def graph_update_key(self, layer):
-        """On a GPU, where every kept table is rebuilt in place, on the device (the tables built on the host follow
-        in ``finish_mask_update``), and ``values`` is whole: the metadata, its tensors and kept entries, ``values``
-        and the mask, by identity (a change means a new capture)."""
+        """On a GPU, where every kept table is rebuilt in place, on the device, and ``values`` is whole: the
+        metadata, its tensors and kept entries, ``values`` and the mask, by identity (a change means a new
+        capture)."""
         meta = self.meta(layer)
         if meta.device.type != "cuda" or is_sharded(layer.values) or not meta.rewrites_in_place():
             return None
