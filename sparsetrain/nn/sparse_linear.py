@@ -127,8 +127,9 @@ class SparseLinear(nn.Module):
         """The ``nn.Linear`` of a dense phase (sparse-then-dense) that trains on from this layer: a format with a
         dense weight Parameter hands it over (:meth:`dense_phase`, the optimizer state stays); a compressed one
         (``block``) gives a new dense Parameter holding ``W_eff``, and ``optimizer`` trains it in the old one's
-        place, its moments laid out densely: the active blocks keep theirs, the positions outside the mask start
-        at zero with zero moments, as regrown blocks do.
+        place, its moments laid out densely: the active blocks keep theirs; the positions outside the mask start
+        at zero with a zero first moment and, for Adam's second moment, the mean of the active positions' (see
+        :func:`settle_new_moments`).
 
         >>> sl = SparseLinear.from_dense(nn.Linear(32, 16), density=0.5, block=16, format="block")
         >>> lin = sl.densify()
@@ -137,7 +138,9 @@ class SparseLinear(nn.Module):
         """
         w = self.weight_parameter()
         if tuple(w.shape) == (self.out_features, self.in_features):
-            return self.dense_phase()
+            lin = self.dense_phase()
+            settle_new_moments(optimizer, lin.weight, self.element_mask())
+            return lin
         if is_sharded(w):
             raise ValueError("a sharded (FSDP) block-format layer cannot become dense in place; "
                              "sparsity.scheduler.dense_from needs one process or data parallelism")
@@ -147,6 +150,7 @@ class SparseLinear(nn.Module):
         lin.weight = dense
         if self.bias is not None:
             lin.bias = self.bias
+        settle_new_moments(optimizer, dense, self.element_mask())
         return lin
 
     def to_dense(self) -> nn.Linear:
@@ -257,3 +261,30 @@ class SparseLinear(nn.Module):
         for key in state_dict:
             if key.startswith(prefix) and "." not in key[len(prefix):] and key not in (wkey, mkey, bkey):
                 unexpected_keys.append(key)
+
+
+def settle_new_moments(optimizer: torch.optim.Optimizer | None, weight: Tensor, mask: Tensor) -> None:
+    """Adam's second moment (``exp_avg_sq``) of ``weight`` at the positions outside ``mask`` that have none yet
+    (zero) becomes the mean of the positions inside: the dense phase's new weights then step like the others.
+
+    With a zero second moment and the tensor's step count hundreds of steps on, Adam's bias correction no longer
+    damps a new weight's first updates: they come out at 3-6x the learning rate for tens of steps, for 90% of a
+    layer's weights at once. On BERT-base (H200, 2026-11-29) that sent a 90% sparse run switching to dense at
+    half of 1000 steps from eval loss 6.13 back to the unigram plateau (7.10). First moments stay zero.
+
+    >>> w = nn.Parameter(torch.zeros(2, 2)); opt = torch.optim.Adam([w])
+    >>> opt.state[w] = {"exp_avg_sq": torch.tensor([[4.0, 0.0], [2.0, 0.0]])}
+    >>> settle_new_moments(opt, w, torch.tensor([[True, False], [True, False]]))
+    >>> opt.state[w]["exp_avg_sq"].tolist()
+    [[4.0, 3.0], [2.0, 3.0]]
+    """
+    state = optimizer.state.get(weight) if optimizer is not None else None
+    v = state.get("exp_avg_sq") if state else None
+    if not torch.is_tensor(v) or v.shape != weight.shape:
+        return
+    inside = mask.to(device=v.device, dtype=torch.bool)
+    if not bool(inside.any()):
+        return
+    mean = v[inside].float().mean().to(v.dtype)
+    with torch.no_grad():
+        v.copy_(torch.where(~inside & (v == 0), mean, v))

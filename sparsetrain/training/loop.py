@@ -229,7 +229,7 @@ class Trainer:
         if compiled is not None and self.main:
             print("trainer.compile: the first compiled step builds the model's kernels (BERT-base on an H100: about "
                   "a minute); trainer.compile=false skips it", flush=True)
-        self.first_step = self.step
+        self.first_step = self.rebuilt_at = self.step   # rebuilt_at: also the dense switch (recompile, capture)
         self.guard = Guard(acc.device, acc.num_processes, start_step=self.step)
         self.run_step = build_train_step(self.model, compiled, self.optimizer, self.raw_opt, acc, args, self.guard,
                                          self.use_graph, self.step_sync, lambda: self.step > self.first_step)
@@ -333,6 +333,7 @@ class Trainer:
             self.run_step.topology_changed()                     # kept only if written in place
             self.train_flops += flop_count.step_flops(self.flops, is_update_step=True, dense_grad=self.needs_grad)
             self.flops = self.flop_report()                     # density may have changed
+            self.rebuilt_at = self.step if record.get("event") == "phase_switch" else self.rebuilt_at
         else:
             self.train_flops += flop_count.step_flops(self.flops, is_update_step=False, dense_grad=False)
             self.hook_time += dt_hook
@@ -345,7 +346,7 @@ class Trainer:
     def log_window(self) -> None:
         """The training row of the window that ends at this step: mean loss, rate, memory; then a new window."""
         step, window = self.step, self.window
-        startup = step - window.steps <= self.first_step + self.run_step.warmup   # tuning, compile, first capture
+        startup = step - window.steps <= self.rebuilt_at + self.run_step.warmup   # tuning, compile, first capture
         loss, rate, memory, wait = window.close(self._mean)
         self.elapsed += wait
         row = {"step": step, "loss": loss, "lr": self.lr_sched.get_last_lr()[0], "train_flops": self.train_flops,
@@ -413,15 +414,14 @@ class Trainer:
     def summary(self, masks_identical: bool | None) -> dict[str, Any]:
         """The run's summary.json: what ran, its cost (FLOPs, seconds, rate) and how its steps ran."""
         acc, main, step = self.accelerator, self.main, self.step
-        rows = metrics.read_metrics(self.run_dir) if main else []
+        rows = metrics.read_metrics(self.run_dir) if main else []   # train_s: start-up windows at the next's rate
         return {
             "status": "finished", "method": self.spec.method, "recipe": self.args.recipe,
             "density": self.scheduler.density, "block": self.spec.block_label if self.scheduler.sparse else "-",
             "steps": step, "final_eval_loss": self.last_eval["eval_loss"] if self.last_eval else None,
             "total_train_flops": self.train_flops, "wall_s": self.elapsed,
-            "train_s": metrics.train_seconds(rows, step) if main else None,   # the start-up windows left out
-            # what one mask update adds, in seconds and in update-free steps (None without an update)
-            **(metrics.update_cost_fields(rows, self.rate_key) if main else {}),
+            "train_s": metrics.train_seconds(rows, step) if main else None,
+            **(metrics.update_cost_fields(rows, self.rate_key) if main else {}),   # one mask update: s, steps
             "device": torch.cuda.get_device_name(acc.device) if acc.device.type == "cuda" else "cpu",
             self.rate_key: metrics.window_rate(self.run_dir, self.rate_key) if main else None,
             "hook_share_non_update_steps": self.hook_time / self.step_time if self.step_time else None,

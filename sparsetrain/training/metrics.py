@@ -361,32 +361,55 @@ def window_rate(run_dir: str | os.PathLike, key: str) -> float | None:
 
 
 def train_seconds(rows: Sequence[dict], steps: int | None = None) -> float | None:
-    """Seconds the training steps of a run take once it is going: ``steps`` (default: the last train row's step)
-    times the mean seconds per step of its train windows after start-up; None when no window is left.
+    """Training GPU-seconds of a run's first ``steps`` steps (default: up to its last train row), cumulative: each
+    window's own seconds, so a run whose step time changes (a sparse phase, then a dense one) is charged what each
+    phase took; None when no window is left after start-up.
 
     A window is the steps between two train rows, its seconds the difference of their ``elapsed_s`` (training
-    steps only: evaluation and checkpoints are not in ``elapsed_s``). Left out: the run's first window and every
-    row marked ``startup`` (the loop marks each window holding a process's first steps, also after a resume:
-    kernel tuning, compilation, the first CUDA-graph capture). Mask updates, and the eager steps and re-captures
-    they cause, stay in: they are part of what a dynamic method costs.
+    steps only: evaluation and checkpoints are not in ``elapsed_s``). The run's first window and every row marked
+    ``startup`` (the loop marks each window holding a process's first steps, also after a resume or the dense
+    switch: kernel tuning, compilation, a first CUDA-graph capture) are charged their steps at the step time of
+    the next timed window (the last one, at the end), not their own seconds. Mask updates, and the eager steps
+    and re-captures they cause, stay in: they are part of what a dynamic method costs. ``steps`` inside a window
+    takes its share of the window; past the last one, the last timed window's step time.
 
     Example:
         >>> rows = [{"step": 10, "loss": 3.1, "elapsed_s": 9.0, "startup": True},
-        ...         {"step": 20, "loss": 2.9, "elapsed_s": 10.0}]
-        >>> train_seconds(rows)   # 20 steps at the 0.1 s per step of steps 11-20
-        2.0
+        ...         {"step": 20, "loss": 2.9, "elapsed_s": 10.0},
+        ...         {"step": 30, "loss": 2.8, "elapsed_s": 12.0}]
+        >>> train_seconds(rows)       # steps 1-10 at the 0.1 s per step of steps 11-20, then 1 s and 2 s
+        4.0
+        >>> train_seconds(rows, 25)   # half of the third window
+        3.0
     """
+    windows = _timed_windows(rows)
+    rates = [w[3] for w in windows if w[3] is not None]
+    if not rates:
+        return None
+    total = windows[-1][1] if steps is None else steps
+    seconds = 0.0
+    for i, (start, end, own, per_step) in enumerate(windows):
+        if start >= total:
+            break
+        if per_step is None:   # a start-up window: its steps at the next timed window's step time
+            per_step = next((w[3] for w in windows[i + 1:] if w[3] is not None), rates[-1])
+            own = per_step * (end - start)
+        seconds += own * (min(end, total) - start) / (end - start)
+    return seconds + max(0, total - windows[-1][1]) * rates[-1]
+
+
+def _timed_windows(rows: Sequence[dict]) -> list[tuple[int, int, float, float | None]]:
+    """``(first step - 1, last step, seconds, seconds per step or None for a start-up window)`` per train window."""
     train = [r for r in rows if isinstance(r.get("step"), int) and "loss" in r and "event" not in r
              and "eval_loss" not in r and isinstance(r.get("elapsed_s"), (int, float))]
-    seconds = steady = 0.0
-    for prev, row in zip(train, train[1:]):
-        if not row.get("startup") and row["step"] > prev["step"]:
-            seconds += row["elapsed_s"] - prev["elapsed_s"]
-            steady += row["step"] - prev["step"]
-    if not steady:
-        return None
-    total = train[-1]["step"] if steps is None else steps
-    return seconds / steady * total
+    windows, prev_step, prev_s = [], 0, 0.0
+    for i, row in enumerate(train):
+        if row["step"] > prev_step:
+            own = row["elapsed_s"] - prev_s
+            timed = i > 0 and not row.get("startup")
+            windows.append((prev_step, row["step"], own, own / (row["step"] - prev_step) if timed else None))
+        prev_step, prev_s = row["step"], row["elapsed_s"]
+    return windows
 
 
 # --------------------------------------------------------------------------------------------------

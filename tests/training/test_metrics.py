@@ -131,10 +131,10 @@ def test_window_rate_is_the_median_of_logged_rates(tmp_path):
     assert window_rate(tmp_path, "samples_per_s") is None
 
 
-def test_train_seconds_leaves_out_startup_windows_and_keeps_update_windows():
-    """Steps x the mean step time of the windows after start-up: the first window and any marked `startup` (a
-    resumed process's first) are left out; a window with a slow mask update stays in; eval, event and mask rows
-    are not windows."""
+def test_train_seconds_charges_startup_windows_at_the_next_steps_rate_and_keeps_update_windows():
+    """Cumulative seconds: a start-up window (the first, or one marked `startup`: a resumed process's first) is
+    charged its steps at the next timed window's step time; a window with a slow mask update keeps its own
+    seconds; eval, event and mask rows are not windows."""
     rows = [
         {"step": 10, "loss": 4.0, "elapsed_s": 30.0, "startup": True},   # tuning + first capture
         {"step": 20, "loss": 3.9, "elapsed_s": 31.0},
@@ -144,12 +144,25 @@ def test_train_seconds_leaves_out_startup_windows_and_keeps_update_windows():
         {"step": 40, "loss": 3.6, "elapsed_s": 50.0, "startup": True},    # resumed at step 35: a new process
         {"step": 50, "loss": 3.5, "elapsed_s": 51.0},
     ]
-    # steady windows: 20-10, 30-20, 50-40: (1 + 2 + 1) s over 30 steps
-    assert train_seconds(rows) == pytest.approx(4.0 / 30 * 50)
-    assert train_seconds(rows, steps=60) == pytest.approx(4.0 / 30 * 60)
+    # 1 (charged) + 1 + 2 + 1 (charged) + 1
+    assert train_seconds(rows) == pytest.approx(6.0)
+    assert train_seconds(rows, steps=60) == pytest.approx(7.0)        # past the end: the last window's rate
+    assert train_seconds(rows, steps=25) == pytest.approx(3.0)        # half of the third window
     first_only = [{k: v for k, v in r.items() if k != "startup"} for r in rows[:2]]
     assert train_seconds(first_only) == pytest.approx(1.0 / 10 * 20)   # old runs: the first window is start-up
     assert train_seconds(rows[:1]) is None and train_seconds([]) is None
+
+
+def test_train_seconds_follow_a_run_whose_step_time_changes():
+    """A sparse phase at 0.05 s per step, then a dense one at 0.1 s (the switch window marked start-up, as the
+    loop marks the recompile): each evaluation is charged what the steps before it took, not the run's mean."""
+    rows = [{"step": 10, "loss": 5.0, "elapsed_s": 20.0, "startup": True}]
+    rows += [{"step": s, "loss": 4.0, "elapsed_s": 20.0 + 0.05 * (s - 10)} for s in (20, 30, 40, 50)]
+    rows += [{"step": 60, "loss": 3.9, "elapsed_s": 40.0, "startup": True}]      # switch at 50: recompiling
+    rows += [{"step": s, "loss": 3.5, "elapsed_s": 40.0 + 0.1 * (s - 60)} for s in (70, 80)]
+    assert train_seconds(rows, 50) == pytest.approx(50 * 0.05)
+    assert train_seconds(rows) == pytest.approx(50 * 0.05 + 30 * 0.1)
+    assert train_seconds(rows, 70) < train_seconds(rows, 80)
 
 
 @pytest.fixture
