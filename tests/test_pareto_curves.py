@@ -64,3 +64,27 @@ def test_the_command_prints_the_table_and_writes_the_curves(study, capsys):
 def test_without_a_dense_run_the_target_must_be_given(study, capsys):
     assert main([str(study / "fast"), "--out", str(study / "p.png"), "--curves"]) == 1
     assert "give --target-loss" in capsys.readouterr().err
+
+
+def test_a_sparse_then_dense_run_is_not_a_dense_baseline(study):
+    """It ends at density 1 but is charged its sparse phase: not the target's source, not drawn or ranked as dense,
+    and its curve follows its two step times (0.05 s, then 0.1 s after the switch at step 50)."""
+    run_dir = study / "switch"
+    with MetricsLogger(run_dir) as log:
+        elapsed = 0.0
+        for step in range(10, 101, 10):
+            elapsed += 10 * (0.05 if step <= 50 else 0.1) + (5.0 if step in (10, 60) else 0.0)
+            log.log({"step": step, "loss": 5.0, "lr": 1e-3, "train_flops": 1e12 * step, "tokens_per_s": 1.0,
+                     "density": 0.1 if step <= 50 else 1.0, "elapsed_s": elapsed,
+                     **({"startup": True} if step in (10, 60) else {})})
+            if step % 50 == 0:
+                log.log({"step": step, "eval_loss": 2.0, "train_flops": 1e12 * step, "elapsed_s": elapsed})
+    write_summary(run_dir, status="finished", method="static+dense@0.5", density=1.0, block="16", steps=100,
+                  final_eval_loss=2.0, total_train_flops=1e14, wall_s=elapsed, train_s=7.5, processes=1)
+    runs = collect_runs([study])
+    assert [r.dense for r in runs if r.path.name == "switch"] == [False]
+    assert dense_target(runs) == pytest.approx(3.0)
+    switch = next(c for c in read_curves(runs) if c.run.path.name == "switch")
+    assert switch.gpu_s == pytest.approx([2.5, 7.5])
+    row = next(r for r in reach_rows(read_curves(runs), 3.0) if r["run"].startswith("static+dense"))
+    assert not row["dense"] and row["x_dense"] == pytest.approx(10.0 / 2.5)

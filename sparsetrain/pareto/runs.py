@@ -55,8 +55,9 @@ class RunResult:
 
     @property
     def dense(self) -> bool:
-        """Every layer dense at the end (sparsity=dense, or density 1): told apart by steps, not by block."""
-        return self.density is None or self.density >= 1.0
+        """A dense baseline (sparsity=dense, or density 1), told apart by steps, not by block; a sparse-then-dense
+        run (``+dense@F``), dense at its end, is not one."""
+        return (self.density is None or self.density >= 1.0) and "+dense@" not in (self.method or "")
 
 
 # --------------------------------------------------------------------------------------------------

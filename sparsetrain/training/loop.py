@@ -229,7 +229,7 @@ class Trainer:
         if compiled is not None and self.main:
             print("trainer.compile: the first compiled step builds the model's kernels (BERT-base on an H100: about "
                   "a minute); trainer.compile=false skips it", flush=True)
-        self.first_step = self.rebuilt_at = self.step   # rebuilt_at: also the dense switch (recompile, capture)
+        self.first_step = self.rebuilt_at = self.step
         self.guard = Guard(acc.device, acc.num_processes, start_step=self.step)
         self.run_step = build_train_step(self.model, compiled, self.optimizer, self.raw_opt, acc, args, self.guard,
                                          self.use_graph, self.step_sync, lambda: self.step > self.first_step)
@@ -340,13 +340,13 @@ class Trainer:
         return record
 
     def log(self, row: dict) -> None:
-        """One row to metrics.jsonl (main process) and the tracker."""
-        self.report.log(row)
+        self.report.log(row)   # one row to metrics.jsonl (main process) and the tracker
 
     def log_window(self) -> None:
         """The training row of the window that ends at this step: mean loss, rate, memory; then a new window."""
         step, window = self.step, self.window
-        startup = step - window.steps <= self.rebuilt_at + self.run_step.warmup   # tuning, compile, first capture
+        built = self.rebuilt_at   # the process's first step or the dense switch: tuning, compile, first capture
+        startup = built < step and step - window.steps <= built + self.run_step.warmup
         loss, rate, memory, wait = window.close(self._mean)
         self.elapsed += wait
         row = {"step": step, "loss": loss, "lr": self.lr_sched.get_last_lr()[0], "train_flops": self.train_flops,

@@ -144,6 +144,8 @@ def test_cli_block_sparse_then_dense_resumes_exactly_and_counts_flops(tmp_path):
     flops = [x["train_flops"] for x in rows(a, "loss")]
     per_step = [(y - x) / 4 for x, y in zip(flops, flops[1:])]
     assert per_step[-1] > 2 * per_step[0]            # dense steps after the switch, 10% blocks before
+    # the window after the switch (recompile, capture) is charged like the first one: at the next window's rate
+    assert [x["step"] for x in rows(a, "loss") if x.get("startup")] == [4, 16]
     cli("train", *common, f"hydra.run.dir={b}", f"trainer.resume={a / 'checkpoints' / 'step_00000016'}", env=plain)
     after = [x["loss"] for x in rows(b, "loss") if x["step"] > 16]
     assert len(after) == 2 and after == [x["loss"] for x in rows(a, "loss") if x["step"] > 16]
