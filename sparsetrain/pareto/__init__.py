@@ -10,8 +10,8 @@ match the sparse runs' FLOPs and GPU-seconds (the Pareto study's second stage, d
 Where each number comes from, per run:
 - finished runs (`summary.json` present): method, density, block, steps, total train FLOPs, wall
   seconds and `train_s` from the summary; the final eval loss from the summary, else from the last eval row;
-- GPU-seconds: `train_s` (the training steps once the run is going: start-up, evaluation and checkpoints
-  left out; `sparsetrain.training.metrics.train_seconds`) times the run's processes; runs written before
+- GPU-seconds: `train_s` (the training steps, window by window: start-up windows at the next window's step
+  time, evaluation and checkpoints left out; `sparsetrain.training.metrics.train_seconds`) times the run's processes; runs written before
   the summary had it get it from their rows;
 - unfinished runs (no summary): the point is the last eval row of `metrics.jsonl` (its `eval_loss`,
   `train_flops` and `elapsed_s`), so loss and cost are measured at the same step; the method and

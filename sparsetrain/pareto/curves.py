@@ -7,8 +7,9 @@ point) beside ``--out``.
 
 Where each number comes from, per evaluation at step ``s`` of a run (its ``metrics.jsonl`` eval rows):
 - FLOPs: the row's cumulative ``train_flops`` (mask updates and RigL's dense gradients included);
-- GPU-seconds: ``train_seconds(rows, s)`` times the run's processes: ``s`` steps at the run's mean step time after
-  start-up (kernel tuning, compilation, the first capture left out; mask updates and their re-captures in). The
+- GPU-seconds: ``train_seconds(rows, s)`` times the run's processes: the seconds of the training windows up to
+  ``s`` (a start-up or dense-switch window, which tunes, compiles and captures, at the next window's step time;
+  mask updates and their re-captures in), so each phase of a sparse-then-dense run is charged its own time. The
   last point of a finished run is the GPU-seconds of its Pareto point.
 - reaching the target: the first evaluation whose loss is at or below it (no interpolation between evaluations, so
   a run is charged up to the evaluation that showed it).

@@ -7,8 +7,8 @@ A run directory holds `metrics.jsonl` (one JSON object per line, each with an in
   elapsed_s (cumulative training wall seconds, eval and checkpoints excluded)`, optional `peak_mem_gb` (GiB,
   the allocated peak since the loop started) and `reserved_gb` (GiB the allocator held from the device at most
   in this log window, CUDA graphs' private pools included; freed blocks are returned after the startup window), and
-  `startup: true` on a window that holds a process's first steps (kernel tuning, compilation, the first
-  CUDA-graph capture; :func:`train_seconds` leaves those windows out);
+  `startup: true` on a window that holds a process's first steps or the first after a dense switch (kernel
+  tuning, compilation, a first CUDA-graph capture; :func:`train_seconds` charges them at the next window's rate);
 - eval rows: `step, eval_loss, train_flops, elapsed_s`, optional `eval_accuracy`;
 - event rows: `step, event` (e.g. `"mask_update"` with `pruned, regrown, drop_fraction`).
   Readers ignore keys they do not know.

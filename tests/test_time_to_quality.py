@@ -1,0 +1,32 @@
+"""recipe=time_to_quality: every arm of its sweep exists, composes and validates, sets the sparsity it says, and keeps
+the study's settings (the dense baseline and the sparse arms train the same model, data, optimizer and steps)."""
+import pytest
+from omegaconf import OmegaConf
+
+from sparsetrain.config import build_run, compose, config_dir
+
+
+def _arms() -> list[str]:
+    cfg = compose(["recipe=time_to_quality"], return_hydra_config=True)
+    return str(cfg.hydra.sweeper.params.ttq_arm).split(",")
+
+
+def test_the_sweep_names_every_arm_file_and_only_those():
+    assert sorted(_arms()) == sorted(p.stem for p in (config_dir() / "ttq_arm").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("arm", _arms())
+def test_each_arm_composes_validates_and_shares_the_studys_settings(arm):
+    cfg = compose(["recipe=time_to_quality", f"ttq_arm={arm}"])
+    spec = build_run(cfg)
+    assert spec.train_args.recipe == "time_to_quality"
+    assert (cfg.model.size, cfg.data.source, cfg.trainer.max_steps, cfg.optim.warmup_steps) == \
+        ("base", "english_large", 1000, 300)
+    sparsity = OmegaConf.to_container(cfg.sparsity, resolve=True)
+    if arm == "dense":
+        assert sparsity["name"] == "dense"
+        return
+    assert sparsity["density"] == cfg.study.density and sparsity["format"] == "block"
+    assert sparsity["block"] == (16 if "_b16" in arm else 64)
+    want = {"then_dense50": 0.5, "then_dense70": 0.7}
+    assert sparsity["scheduler"].get("dense_from") == next((v for k, v in want.items() if k in arm), None)
