@@ -361,17 +361,13 @@ def window_rate(run_dir: str | os.PathLike, key: str) -> float | None:
 
 
 def train_seconds(rows: Sequence[dict], steps: int | None = None) -> float | None:
-    """Training GPU-seconds of a run's first ``steps`` steps (default: up to its last train row), cumulative: each
-    window's own seconds, so a run whose step time changes (a sparse phase, then a dense one) is charged what each
-    phase took; None when no window is left after start-up.
+    """Training GPU-seconds of a run's first ``steps`` steps (default: up to its last train row), window by window,
+    so a run whose step time changes (sparse, then dense) pays each phase's own time; None without a timed window.
 
-    A window is the steps between two train rows, its seconds the difference of their ``elapsed_s`` (training
-    steps only: evaluation and checkpoints are not in ``elapsed_s``). The run's first window and every row marked
-    ``startup`` (the loop marks each window holding a process's first steps, also after a resume or the dense
-    switch: kernel tuning, compilation, a first CUDA-graph capture) are charged their steps at the step time of
-    the next timed window (the last one, at the end), not their own seconds. Mask updates, and the eager steps
-    and re-captures they cause, stay in: they are part of what a dynamic method costs. ``steps`` inside a window
-    takes its share of the window; past the last one, the last timed window's step time.
+    A window is the steps between two train rows, its seconds the difference of their ``elapsed_s`` (no eval or
+    checkpoint in it). The first window and those marked ``startup`` (a process's first steps, also after a resume
+    or the dense switch: tuning, compiling, a first capture) are charged at the next timed window's step time.
+    Mask updates and their re-captures stay in. Past the last window: the last timed window's step time.
 
     Example:
         >>> rows = [{"step": 10, "loss": 3.1, "elapsed_s": 9.0, "startup": True},
@@ -383,8 +379,7 @@ def train_seconds(rows: Sequence[dict], steps: int | None = None) -> float | Non
         3.0
     """
     windows = _timed_windows(rows)
-    rates = [w[3] for w in windows if w[3] is not None]
-    if not rates:
+    if not (rates := [w[3] for w in windows if w[3] is not None]):
         return None
     total = windows[-1][1] if steps is None else steps
     seconds = 0.0
@@ -392,9 +387,8 @@ def train_seconds(rows: Sequence[dict], steps: int | None = None) -> float | Non
         if start >= total:
             break
         if per_step is None:   # a start-up window: its steps at the next timed window's step time
-            per_step = next((w[3] for w in windows[i + 1:] if w[3] is not None), rates[-1])
-            own = per_step * (end - start)
-        seconds += own * (min(end, total) - start) / (end - start)
+            own = next((w[3] for w in windows[i + 1:] if w[3] is not None), rates[-1]) * (end - start)
+        seconds += own * (min(end, total) - start) / (end - start)   # a share of the window ``steps`` ends in
     return seconds + max(0, total - windows[-1][1]) * rates[-1]
 
 
