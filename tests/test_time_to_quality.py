@@ -21,7 +21,8 @@ def test_each_arm_composes_validates_and_shares_the_studys_settings(arm):
     spec = build_run(cfg)
     assert spec.train_args.recipe == "time_to_quality"
     assert (cfg.model.size, cfg.data.source, cfg.trainer.max_steps, cfg.optim.warmup_steps) == \
-        ("base", "english_large", 1000, 300)
+        ("large" if arm.startswith("wide_") else "base", "english_large", 1000, 300)
+    assert cfg.model.fused_qkv and not cfg.model.fp32_residual            # every arm runs the speed settings
     sparsity = OmegaConf.to_container(cfg.sparsity, resolve=True)
     if arm == "dense":
         assert sparsity["name"] == "dense"

@@ -22,6 +22,7 @@ MODEL_SIZES: dict[str, dict[str, tuple[int, int, int]]] = {
         "small": (4, 512, 8),
         "medium": (8, 512, 8),
         "base": (12, 768, 12),
+        "large": (24, 1024, 16),
     },
     "vit": {
         "tiny": (12, 192, 3),

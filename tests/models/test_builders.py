@@ -11,6 +11,7 @@ EXPECTED = {  # (layers, hidden, heads) from the brief, restated here so a typo 
     ("bert", "small"): (4, 512, 8),
     ("bert", "medium"): (8, 512, 8),
     ("bert", "base"): (12, 768, 12),
+    ("bert", "large"): (24, 1024, 16),
     ("vit", "tiny"): (12, 192, 3),
     ("vit", "small"): (12, 384, 6),
     ("vit", "base"): (12, 768, 12),
@@ -85,7 +86,7 @@ def test_attn_implementation_reaches_the_model():
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match=r"sizes: \['tiny', 'mini', 'small', 'medium', 'base'\]"):
+    with pytest.raises(ValueError, match=r"sizes: \['tiny', 'mini', 'small', 'medium', 'base', 'large'\]"):
         build_model("bert", "huge", vocab_size=100)
     with pytest.raises(ValueError, match="vocab_size"):
         build_model("bert", "tiny")
