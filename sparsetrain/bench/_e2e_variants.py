@@ -36,11 +36,14 @@ class Variant:
 DEFAULT_VARIANTS = {
     "bert": (Variant("dense", "bert_dense"), Variant("static_b64", "bert_static", ("sparsity.block=64",)),
              Variant("static_b16", "bert_static"), Variant("dynamic_b16", "bert_phase1_dynamic")),
+    "bert_large": (Variant("dense", "bert_large_dense"),
+                   Variant("static_b64", "bert_large_static", ("sparsity.block=64",)),
+                   Variant("static_b16", "bert_large_static"), Variant("dynamic_b16", "bert_large_dynamic")),
     "vit": (Variant("dense", "vit_base_dense"), Variant("static_b64", "vit_base_static", ("sparsity.block=64",)),
             Variant("static_b16", "vit_base_static"),
             Variant("semi24", "vit_24_sparse_then_dense", ("model=vit_base", "sparsity.scheduler.sparse_fraction=1.0"))),
 }
-DEFAULT_BATCH = {"bert": 256, "vit": 256}
+DEFAULT_BATCH = {"bert": 256, "bert_large": 256, "vit": 256}
 
 
 # ---- what each run is -----------------------------------------------------------------------------------

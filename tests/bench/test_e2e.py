@@ -31,6 +31,9 @@ def test_defaults_and_recipe_map():
                                  Variant("tiny", "quickstart")]
     assert args.modes == ["eager"] and args.breakdown == []
     assert args.extra == ["+model.attention_probs_dropout_prob=0.0", "trainer.seed=1"]
+    large = e2e.parse_args(["--model", "bert_large"])
+    assert large.batch == 256 and [v.recipe for v in large.variant_list] == [
+        "bert_large_dense", "bert_large_static", "bert_large_static", "bert_large_dynamic"]
     vit = e2e.parse_args(["--model", "vit"])
     assert vit.batch == 256 and [v.recipe for v in vit.variant_list][:3] == ["vit_base_dense", "vit_base_static",
                                                                              "vit_base_static"]
