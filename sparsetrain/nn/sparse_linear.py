@@ -117,8 +117,12 @@ class SparseLinear(nn.Module):
         if tuple(w.shape) != (self.out_features, self.in_features):
             raise ValueError(f"format {self.format_name!r} stores its weight as {tuple(w.shape)}, not as a dense "
                              f"({self.out_features}, {self.in_features}) Parameter; use to_dense() for a copy")
+        return self._linear_on(w)
+
+    def _linear_on(self, weight: nn.Parameter) -> nn.Linear:
+        """An ``nn.Linear`` holding ``weight`` and this layer's bias Parameter (nothing allocated or copied)."""
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        lin.weight = w
+        lin.weight = weight
         if self.bias is not None:
             lin.bias = self.bias
         return lin
@@ -139,18 +143,14 @@ class SparseLinear(nn.Module):
         w = self.weight_parameter()
         if tuple(w.shape) == (self.out_features, self.in_features):
             lin = self.dense_phase()
-            settle_new_moments(optimizer, lin.weight, self.element_mask())
-            return lin
-        if is_sharded(w):
+        elif is_sharded(w):
             raise ValueError("a sharded (FSDP) block-format layer cannot become dense in place; "
                              "sparsity.scheduler.dense_from needs one process or data parallelism")
-        dense = nn.Parameter(self.storage.dense_layout(self, w.detach()).clone(), requires_grad=w.requires_grad)
-        swap_parameter(optimizer, w, dense, lambda t: self.storage.dense_layout(self, t))
-        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        lin.weight = dense
-        if self.bias is not None:
-            lin.bias = self.bias
-        settle_new_moments(optimizer, dense, self.element_mask())
+        else:
+            dense = nn.Parameter(self.storage.dense_layout(self, w.detach()).clone(), requires_grad=w.requires_grad)
+            swap_parameter(optimizer, w, dense, lambda t: self.storage.dense_layout(self, t))
+            lin = self._linear_on(dense)
+        settle_new_moments(optimizer, lin.weight, self.element_mask())
         return lin
 
     def to_dense(self) -> nn.Linear:

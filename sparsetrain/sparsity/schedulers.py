@@ -158,7 +158,7 @@ class SparsityScheduler:
 
     def _densify(self) -> None:
         """Every sparse layer becomes an ``nn.Linear`` (``layer.densify``): its weight kept, the positions outside
-        the mask trainable from zero, with zero optimizer moments, as regrowth does."""
+        the mask trainable from zero (optimizer moments: :meth:`SparseLinear.densify`)."""
         for name, layer in self.layers.items():
             self.model.set_submodule(name, layer.densify(self.optimizer))
         self.layers = {}

@@ -19,7 +19,6 @@ class SparseThenDense(SparsityScheduler):
         super().__init__(seed)
         self.sparse_fraction = _check_fraction(sparse_fraction, "sparse_fraction")
         self.nm = NM(n, m, transposable=True)
-        self.switched = False
 
     def initial_density(self, target: float) -> float:
         return 1.0
