@@ -177,6 +177,11 @@ class SparseLinear(nn.Module):
     def element_mask(self) -> Tensor:
         return to_element_mask(self.mask, self.block)
 
+    def settle_regrown_moments(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """After :meth:`set_mask`: the regrown weights' Adam second moment becomes the mean of the others'
+        (:func:`settle_regrown_moments`)."""
+        settle_regrown_moments(optimizer, self.weight_parameter(), self.storage.active_in_parameter(self))
+
     def set_mask(self, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Rewrite the topology (see :mod:`sparsetrain.nn.formats` for what happens to weights/moments)."""
         if tuple(new_mask.shape) != tuple(self.mask.shape):
@@ -288,3 +293,29 @@ def settle_new_moments(optimizer: torch.optim.Optimizer | None, weight: Tensor, 
     mean = v[inside].float().mean().to(v.dtype)
     with torch.no_grad():
         v.copy_(torch.where(~inside & (v == 0), mean, v))
+
+
+def settle_regrown_moments(optimizer: torch.optim.Optimizer | None, param: Tensor,
+                           active: Tensor | None = None) -> None:
+    """After a mask update: Adam's second moment of ``param`` where it is zero (the newly regrown weights, whose
+    moments the update zeroed) at ``active`` positions (None: everywhere) becomes the mean of the non-zero ones.
+
+    The same reason as :func:`settle_new_moments`: a regrown weight with a zero second moment and the tensor's step
+    count far on takes its first updates at 3-6x the learning rate. No host sync (the mean is a ratio of device
+    sums), so the graphed update can capture it. First moments stay zero.
+
+    >>> w = nn.Parameter(torch.zeros(2, 2)); opt = torch.optim.Adam([w])
+    >>> opt.state[w] = {"exp_avg_sq": torch.tensor([[4.0, 0.0], [2.0, 0.0]])}
+    >>> settle_regrown_moments(opt, w, torch.tensor([[True, True], [True, False]]))
+    >>> opt.state[w]["exp_avg_sq"].tolist()
+    [[4.0, 3.0], [2.0, 0.0]]
+    """
+    state = optimizer.state.get(param) if optimizer is not None else None
+    v = state.get("exp_avg_sq") if state else None
+    if not torch.is_tensor(v) or v.shape != param.shape:
+        return
+    with torch.no_grad():
+        act = torch.ones_like(v, dtype=torch.bool) if active is None else active.to(v.device, torch.bool)
+        live = act & (v != 0)
+        mean = (v.float() * live).sum() / live.sum().clamp(min=1)
+        v.copy_(torch.where(act & (v == 0), mean.to(v.dtype), v))

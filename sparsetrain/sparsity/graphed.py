@@ -101,6 +101,8 @@ class GraphedUpdate:
             dropped = ranked(-drop.float().masked_fill(~mask, float("inf")), self.k[i])
             grown = ranked(self.grow_parts[i].masked_fill(mask, float("-inf")), self.k[i])
             layer.set_mask((mask & ~dropped) | grown, opt)
+            if self.sched.regrow_moments == "mean":
+                layer.settle_regrown_moments(opt)
 
     @classmethod
     def for_scheduler(cls, sched) -> GraphedUpdate | None:

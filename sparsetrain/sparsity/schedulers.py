@@ -224,6 +224,9 @@ class Static(SparsityScheduler):
         return self._dense_due(step)
 
 
+REGROW_MOMENTS = ("zero", "mean")
+
+
 class PruneRegrow(SparsityScheduler):
     """Every ΔT steps between start and end: drop a fraction of the active blocks by the policy's drop score
     (magnitude: block L1 norm) and regrow as many inactive blocks by its grow score (random = SET,
@@ -232,15 +235,22 @@ class PruneRegrow(SparsityScheduler):
     ``num_updates`` spaces that many updates evenly over ``[start, end)`` (Graphcore: 160); alternatively
     give ``interval``. ``start``/``end`` are fractions of training. ``drop_fraction`` follows
     ``drop_schedule`` (constant, cosine, linear) down to 0 at ``end``. ``dense_from``: the fraction of training
-    after which every sparse layer trains dense (sparse-then-dense; no update after it).
+    after which every sparse layer trains dense (sparse-then-dense; no update after it). ``regrow_moments``: the
+    Adam second moment a regrown weight starts with: ``zero`` (RigL's and SET's published setting) or ``mean``
+    (the mean of the layer's active weights', so that its first updates are not several times the learning rate;
+    :func:`~sparsetrain.nn.sparse_linear.settle_regrown_moments`). First moments start at zero either way.
     """
 
     name = "prune_regrow"
 
     def __init__(self, policy: str | Policy = "set", drop_fraction: float = 0.5, drop_schedule: str = "cosine",
                  num_updates: int | None = None, interval: int | None = None, start: float = 0.0,
-                 end: float = 1.0, seed: int = 0, dense_from: float | None = None) -> None:
+                 end: float = 1.0, seed: int = 0, dense_from: float | None = None,
+                 regrow_moments: str = "zero") -> None:
         super().__init__(seed, dense_from)
+        if regrow_moments not in REGROW_MOMENTS:
+            raise ValueError(f"regrow_moments must be one of {', '.join(REGROW_MOMENTS)}, got {regrow_moments!r}")
+        self.regrow_moments = regrow_moments
         self.policy = get_policy(policy)
         self.drop_fraction = _check_fraction(drop_fraction, "drop_fraction")
         make_drop_schedule(drop_schedule, self.drop_fraction, 1)  # validate the name now
@@ -317,6 +327,8 @@ class PruneRegrow(SparsityScheduler):
             u = update_mask(mask, drop, grow, n, n_active)
             if u.n_dropped:
                 layer.set_mask(u.mask, self.optimizer)
+                if self.regrow_moments == "mean":
+                    layer.settle_regrown_moments(self.optimizer)
             pruned += u.n_dropped
             regrown += u.n_grown
             layer.dense_grad = None

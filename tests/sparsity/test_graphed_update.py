@@ -13,14 +13,15 @@ from sparsetrain.sparsity.layout import topk_mask
 from sparsetrain.sparsity.policies import SET, RigL
 
 
-def _setup(policy: str, seed: int = 0):
+def _setup(policy: str, seed: int = 0, regrow_moments: str = "zero"):
     """Three block-sparse linears of two shapes after two Adam steps, a PruneRegrow scheduler attached, and the
     all-position gradient of each layer (what RigL scores) from one more backward."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 96))
     sparsify(model, density=0.25, block=16, format="block", seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    sched = PruneRegrow(policy=policy, drop_fraction=0.5, drop_schedule="cosine", interval=2, seed=seed)
+    sched = PruneRegrow(policy=policy, drop_fraction=0.5, drop_schedule="cosine", interval=2, seed=seed,
+                        regrow_moments=regrow_moments)
     sched.attach(model, opt, total_steps=20)
     x = torch.randn(32, 64)
     for step in (1, 2):
@@ -40,10 +41,10 @@ def _state(model, opt):
     return out
 
 
-@pytest.mark.parametrize("policy", ["set", "rigl"])
-def test_the_graphed_sequence_gives_the_per_layer_update_exactly(policy):
-    model_a, opt_a, sched_a = _setup(policy)
-    model_b, opt_b, sched_b = _setup(policy)
+@pytest.mark.parametrize("policy,moments", [("set", "zero"), ("rigl", "zero"), ("set", "mean"), ("rigl", "mean")])
+def test_the_graphed_sequence_gives_the_per_layer_update_exactly(policy, moments):
+    model_a, opt_a, sched_a = _setup(policy, regrow_moments=moments)
+    model_b, opt_b, sched_b = _setup(policy, regrow_moments=moments)
     assert why_not_graphed(sched_b) is not None   # on the CPU the scheduler updates layer by layer
     for step in (4, 6, 8):
         record = sched_a.step(step)               # the per-layer path

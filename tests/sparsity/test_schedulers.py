@@ -321,3 +321,59 @@ def test_a_run_too_short_for_its_updates_is_told_before_it_starts():
     assert Static().schedule_warning(5) is None
     schedule = PruneRegrow(num_updates=7, start=0.1, end=0.8).update_schedule(1000)   # steps (100, 800): 7 updates
     assert [s for s in range(1, 1001) if schedule.is_update_step(s)] == [187, 274, 361, 448, 535, 622, 709]
+
+
+def _regrow_once(fmt: str, moments: str, lr: float = 1e-3):
+    """One 64x64 layer at density 0.25 (16x16 blocks) trained 600 Adam steps, then one SET update that drops and
+    regrows half its blocks; returns the layer, the optimizer, the element masks before and after, and lr."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64))
+    sparsify(model, density=0.25, block=16, format=fmt, seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    sched = PruneRegrow(policy="set", drop_fraction=0.5, drop_schedule="constant", interval=600, start=0.0,
+                        end=0.99, seed=0, regrow_moments=moments).attach(model, opt, total_steps=2000)
+    layer = model[0]
+    for _ in range(600):
+        model(torch.randn(16, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    before = layer.element_mask().clone()
+    assert sched.step(600)["regrown"] > 0
+    return model, layer, opt, before, layer.element_mask().clone(), lr
+
+
+@pytest.mark.parametrize("fmt", ["masked", "block"])
+def test_regrow_moments_mean_starts_regrown_weights_at_the_mean_second_moment(fmt):
+    model, layer, opt, old, new, lr = _regrow_once(fmt, "mean")
+    state = opt.state[layer.weight_parameter()]
+    v, m = (layer.storage.dense_layout(layer, state[k]) for k in ("exp_avg_sq", "exp_avg"))
+    grown, kept = new & ~old, new & old
+    assert grown.any() and kept.any()
+    assert torch.allclose(v[grown], v[kept].mean().expand(int(grown.sum())))   # the mean of the survivors'
+    assert not m[grown].any() and not layer.dense_weight()[grown].any()          # first moment, weight: zero
+    assert not v[~new].any()                                                      # pruned: nothing kept
+
+
+@pytest.mark.parametrize("moments,bound", [("zero", None), ("mean", 1.5)])
+def test_regrown_weights_first_steps_against_the_learning_rate(moments, bound):
+    """Zero moments (as published) make a regrown weight's first Adam steps several times lr; ``mean`` keeps them
+    about lr-sized (the dense switch's collapse, in small, at every update)."""
+    model, layer, opt, old, new, lr = _regrow_once("masked", moments)
+    grown = new & ~old
+    steps = []
+    for _ in range(10):
+        start = layer.dense_weight().clone()
+        model(torch.randn(16, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        steps.append((layer.dense_weight() - start)[grown].abs())
+    largest = torch.stack(steps).max()
+    if bound is None:
+        assert largest > 2.5 * lr            # the failure the option exists for
+    else:
+        assert largest <= bound * lr and torch.stack(steps).mean() > 0
+
+
+def test_regrow_moments_must_be_a_known_name():
+    with pytest.raises(ValueError, match="regrow_moments must be one of zero, mean"):
+        PruneRegrow(regrow_moments="ones")

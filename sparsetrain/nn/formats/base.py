@@ -86,6 +86,11 @@ class WeightFormat:
     def weight_parameter(self, layer: nn.Module) -> nn.Parameter:
         raise NotImplementedError
 
+    def active_in_parameter(self, layer: nn.Module) -> Tensor | None:
+        """Where the weight Parameter holds active weights, as a bool tensor laid out like it; None: everywhere.
+        Default: the Parameter is the dense ``(out, in)`` weight, active where the element mask is."""
+        return layer.element_mask()
+
     def dense_layout(self, layer: nn.Module, t: Tensor) -> Tensor:
         """A tensor laid out like the weight Parameter (its optimizer moments, say) as the dense ``(out, in)`` tensor
         of the effective weight's positions, zero elsewhere. Default: it is laid out densely already."""

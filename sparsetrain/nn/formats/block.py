@@ -205,6 +205,9 @@ class BlockFormat(WeightFormat):
     def weight_parameter(self, layer):
         return layer.values
 
+    def active_in_parameter(self, layer):
+        return None   # values hold the active blocks only
+
     def n_active(self, layer) -> int:
         return self.meta(layer).n_blocks   # the count the format keeps, on the host
 
