@@ -4,6 +4,7 @@
     sparsetrain train -m recipe=quickstart sparsity.density=0.05,0.1,0.2   # a sweep (Hydra multirun)
     sparsetrain recipes                                      # list recipes
     sparsetrain flops recipe=bert_phase1_dynamic             # per-layer FLOPs, dense vs sparse
+    sparsetrain flops recipe=bert_static --floor h200        # ... and the step's floor per category on a card
     sparsetrain pareto multirun/quickstart/... --out pareto.png
     sparsetrain bench blocksparse|semi24|inference|e2e [args]   # GPU benchmarks (ratios vs dense, one run)
     sparsetrain export RUN_DIR --format hf|sparse --out DIR
@@ -181,6 +182,9 @@ def cmd_flops(argv: Sequence[str]) -> int:
     from sparsetrain.config import ConfigError, build_run, compose, predictions_per_seq
     from sparsetrain.training.setup import sparsify_model
 
+    argv, card = _floor_flag(list(argv))
+    if isinstance(card, int):
+        return card
     bad = _check_recipe(argv)
     if bad is not None:
         return bad
@@ -210,7 +214,31 @@ def cmd_flops(argv: Sequence[str]) -> int:
         extra = f"; {type(policy).__name__}'s dense gradient adds {report.rigl_update_extra:.3e} per update step"
     print(f"\ntraining total ({t.max_steps} steps): dense {total_dense:.3e}  sparse {total_sparse:.3e}  "
           f"(x{total_sparse / total_dense:.3f}{extra})")
+    if card is not None:
+        from sparsetrain.floor import format_floor, step_floor
+
+        n = sum(p.numel() for p in model.parameters())
+        print("\n" + format_floor(step_floor(report, model.config, n, card), card))
     return 0
+
+
+def _floor_flag(argv: list[str]):
+    """``--floor CARD`` (or ``--floor=CARD``) taken out of ``argv``: (the rest, the Card or None), or (argv, 2)
+    after an error message naming the flag."""
+    from sparsetrain.floor import CARDS
+
+    rest, card = [], None
+    it = iter(argv)
+    for a in it:
+        if a == "--floor" or a.startswith("--floor="):
+            name = a.partition("=")[2] if "=" in a else next(it, "")
+            if name.lower() not in CARDS:
+                print(f"error: --floor must name a card: {', '.join(CARDS)}; got {name!r}", file=sys.stderr)
+                return argv, 2
+            card = CARDS[name.lower()]
+        else:
+            rest.append(a)
+    return rest, card
 
 
 def cmd_pareto(argv: Sequence[str]) -> int:
