@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from sparsetrain.nn.formats.base import FormatCaps, WeightFormat, get_format, is_sharded, swap_parameter
+from sparsetrain.nn.formats.base import (FormatCaps, WeightFormat, get_format, is_sharded, swap_parameter, whole,
+                                         write_whole)
 from sparsetrain.sparsity.layout import (
     Block,
     BlockLike,
@@ -315,7 +316,8 @@ def settle_regrown_moments(optimizer: torch.optim.Optimizer | None, param: Tenso
     if not torch.is_tensor(v) or v.shape != param.shape:
         return
     with torch.no_grad():
-        act = torch.ones_like(v, dtype=torch.bool) if active is None else active.to(v.device, torch.bool)
-        live = act & (v != 0)
-        mean = (v.float() * live).sum() / live.sum().clamp(min=1)
-        v.copy_(torch.where(act & (v == 0), mean.to(v.dtype), v))
+        full = whole(v)   # a sharded moment (FSDP2) is gathered, settled whole, and each rank keeps its shard
+        act = torch.ones_like(full, dtype=torch.bool) if active is None else active.to(full.device, torch.bool)
+        live = act & (full != 0)
+        mean = (full.float() * live).sum() / live.sum().clamp(min=1)
+        write_whole(v, torch.where(act & (full == 0), mean.to(full.dtype), full))
