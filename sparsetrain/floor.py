@@ -51,6 +51,16 @@ CARDS = {
 }
 
 
+def card_for(device_name: str) -> Card | None:
+    """The :data:`CARDS` entry of a CUDA device name (``torch.cuda.get_device_name()``), None for another card.
+
+    >>> card_for("NVIDIA H200").name, card_for("NVIDIA H100 80GB HBM3").name, card_for("NVIDIA A100-SXM4-80GB")
+    ('NVIDIA H200', 'NVIDIA H100 SXM', None)
+    """
+    low = device_name.lower()
+    return next((card for key, card in CARDS.items() if key in low), None)
+
+
 @dataclass(frozen=True)
 class FloorRow:
     """One category: what it must compute and move, and the time at the card's rates."""
@@ -133,4 +143,4 @@ def format_floor(rows: list[FloorRow], card: Card, measured: dict[str, float] | 
     return "\n".join(lines)
 
 
-__all__ = ["CARDS", "Card", "FloorRow", "format_floor", "step_floor"]
+__all__ = ["CARDS", "Card", "FloorRow", "card_for", "format_floor", "step_floor"]

@@ -76,17 +76,21 @@ def profiled_train(spec, run_dir: Path, first: int, count: int, start, stop) -> 
     return {"steps": count, "calls": seen["calls"]}
 
 
-def head_flops_share(overrides: list[str]) -> float:
-    """The MLM head's (or classifier's) share of a step's FLOPs (``sparsetrain.flops``), as the run counts it."""
+def step_counts(overrides: list[str], device_name: str = "") -> dict:
+    """What the run of ``overrides`` must do per step, as ``sparsetrain flops`` counts it: the MLM head's (or
+    classifier's) share of the FLOPs and, on a card :mod:`sparsetrain.floor` knows (by ``device_name``), the
+    counted floor per category in ms (``floor_ms``, None elsewhere) and the card's name."""
     from omegaconf import OmegaConf
 
     from sparsetrain import flops
     from sparsetrain.config import build_run, compose, predictions_per_seq
+    from sparsetrain.floor import card_for, step_floor
     from sparsetrain.training.setup import sparsify_model
 
     cfg = compose(overrides)
     spec = build_run(cfg)
     model = spec.build_model()
+    parameters = sum(p.numel() for p in model.parameters())
     sparsify_model(model, spec.scheduler, spec.sparsify_kwargs, format="masked")
     report = flops.count_step_flops(model, batch_size=int(cfg.trainer.batch_size),
                                     seq_len=OmegaConf.select(cfg, "data.seq_len"),
@@ -94,7 +98,9 @@ def head_flops_share(overrides: list[str]) -> float:
                                     predictions_per_seq=predictions_per_seq(cfg))
     heads = (*getattr(model, "masked_positions_modules", ()), "cls", "classifier", "lm_head")
     head = sum(r.sparse_flops for r in report.rows if r.name.split(".")[0] in heads)
-    return head / report.sparse_total
+    card = card_for(device_name)
+    floor = None if card is None else {r.category: r.ms for r in step_floor(report, model.config, parameters, card)}
+    return {"head_flops_share": head / report.sparse_total, "floor_ms": floor, "floor_card": card and card.name}
 
 
 def profile_child(job_path: str) -> int:
@@ -124,12 +130,14 @@ def profile_child(job_path: str) -> int:
     info = profiled_train(spec, Path(job["run_dir"]), job["first"], job["count"], start, stop)
     kernels = [(e.name, e.device_time_total) for e in prof.events() if e.device_type == DeviceType.CUDA]
     out = breakdown(kernels, clock["wall"], info["steps"])
-    out["head_flops_share"] = head_flops_share(job["overrides"])
+    out.update(step_counts(job["overrides"], torch.cuda.get_device_name()))
     Path(job["result"]).write_text(json.dumps(out, indent=1))
     return 0
 
 
 def format_breakdown(results: dict) -> str:
+    """The breakdown table; under a run measured on a card with a counted floor, the floor's row and measured /
+    floor per category (``sparsetrain flops --floor``)."""
     lines = [f"{'run':<24}" + "".join(f"{c:>14}" for c in (*CATEGORIES, "host gaps", "wall")) + "   head FLOPs"]
     for name, b in results.items():
         if b.get("error"):
@@ -138,4 +146,11 @@ def format_breakdown(results: dict) -> str:
         ms = b["ms_per_step"]
         lines.append(f"{name:<24}" + "".join(f"{ms[c]:>14.2f}" for c in CATEGORIES)
                      + f"{b['host_gaps_ms']:>14.2f}{b['wall_ms']:>14.2f}   {100 * b['head_flops_share']:.1f}%")
+        floor = b.get("floor_ms")
+        if floor:
+            total = sum(floor.values())
+            lines.append(f"{'  floor':<24}" + "".join(f"{floor[c]:>14.2f}" for c in CATEGORIES)
+                         + f"{0.0:>14.2f}{total:>14.2f}   {b['floor_card']}")
+            lines.append(f"{'  x floor':<24}" + "".join(f"{ms[c] / max(floor[c], 1e-9):>14.1f}" for c in CATEGORIES)
+                         + f"{'':>14}{b['wall_ms'] / max(total, 1e-9):>14.1f}")
     return "\n".join(lines)

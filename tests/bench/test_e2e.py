@@ -292,9 +292,26 @@ def test_profiled_train_profiles_whole_loop_iterations(tmp_path, monkeypatch):
                           tmp_path / "run2", 6, 3, lambda: None, lambda: None)
 
 
-def test_head_flops_share_counts_the_mlm_head_on_masked_positions():
-    share = bd.head_flops_share(["recipe=quickstart", "sparsity=dense", "data.seq_len=64"])
-    assert 0.05 < share < 0.6
+def test_step_counts_give_the_head_share_and_the_floor_on_a_known_card():
+    overrides = ["recipe=quickstart", "sparsity=dense", "data.seq_len=64"]
+    counts = bd.step_counts(overrides, "NVIDIA H200")
+    assert 0.05 < counts["head_flops_share"] < 0.6 and counts["floor_card"] == "NVIDIA H200"
+    assert set(counts["floor_ms"]) == set(bd.CATEGORIES) and counts["floor_ms"]["linears"] > 0
+    assert counts["floor_ms"]["block-sparse"] == 0                    # dense: no block-sparse work
+    other = bd.step_counts(overrides, "NVIDIA A100-SXM4-80GB")
+    assert other["floor_ms"] is None and other["head_flops_share"] == counts["head_flops_share"]
+
+
+def test_breakdown_prints_the_floor_under_a_run_on_a_known_card():
+    b = bd.breakdown([("nvjet_a", 3000.0), ("layer_norm", 600.0)], wall_s=0.006, steps=3)
+    floor = dict.fromkeys(bd.CATEGORIES, 0.1) | {"linears": 0.5}
+    text = bd.format_breakdown({"dense-graph": {**b, "head_flops_share": 0.1, "floor_ms": floor,
+                                                "floor_card": "NVIDIA H200"}})
+    lines = text.splitlines()
+    floor_row = next(x.split() for x in lines if x.startswith("  floor"))
+    times_row = next(x.split() for x in lines if x.startswith("  x floor"))
+    assert floor_row[-2:] == ["NVIDIA", "H200"] and float(floor_row[-3]) == pytest.approx(0.9)
+    assert times_row[2 + 2] == "2.0" and times_row[-1] == "2.2"   # linears 1.0 / 0.5; wall 2.0 / 0.9
 
 
 # ---- the real thing -------------------------------------------------------------------------------------
