@@ -45,6 +45,9 @@ def test_each_run_reaches_the_dense_loss_at_its_own_gpu_seconds(study):
     got = sorted((r["step"] or 0, round(r["gpu_s"] or 0, 6), round(r["x_dense"] or 0, 6))
                   for r in reach_rows(curves, 3.0))
     assert got == [(0, 0, 0), (80, 4.0, 2.5), (80, 8.0, 1.25), (100, 10.0, 1.0)]   # "slow" never reaches 3.0
+    slow = next(r for r in reach_rows(curves, 3.0) if r["run"].startswith("SET"))
+    # its best, 4.0 after 5.0 GPU s; dense's first evaluation at or below 4.0 is step 60's (3.8), 6.0 s
+    assert slow["x_dense_best"] == pytest.approx(6.0 / 5.0) and slow["speedup_for_125"] == pytest.approx(1.25 / 1.2)
 
 
 def test_the_command_prints_the_table_and_writes_the_curves(study, capsys):
@@ -54,6 +57,8 @@ def test_the_command_prints_the_table_and_writes_the_curves(study, capsys):
     assert "GPU-seconds to reach eval loss 3.0000 (the dense baseline's final eval loss)" in text
     lines = {line.split()[0] + " " + line.split()[-1] for line in text.splitlines() if "never" in line}
     assert any(line.startswith("SET") for line in lines)                 # the run that never gets there says so
+    slow = next(line.split() for line in text.splitlines() if line.startswith("SET"))
+    assert slow[-2:] == ["1.20", "1.04x"]                                # ... and what it would need
     assert (study / "plots" / "study_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     points = list(csv.DictReader(open(study / "plots" / "study_curves.csv")))
     assert len(points) == 4 * 5 and {p["step"] for p in points} == {"20", "40", "60", "80", "100"}

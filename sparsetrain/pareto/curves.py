@@ -88,32 +88,49 @@ def _name(run: RunResult) -> str:
 
 def reach_rows(curves: Sequence[Curve], target: float) -> list[dict]:
     """One row per run: where it reaches ``target`` (GPU-seconds, FLOPs, step), its best loss, and its GPU-seconds
-    against the fastest dense run's to the same loss (``x_dense``: above 1 is sooner)."""
+    against the fastest dense run's to the same loss (``x_dense``: above 1 is sooner). Also, for every run, the same
+    ratio at the run's own best loss (``x_dense_best``: dense's GPU-seconds to that loss over the run's) and
+    ``speedup_for_125``: by how much the run's GPU-seconds would have to shrink for it to reach its best loss
+    1.25x sooner than dense (1.25 / x_dense_best; at most 1 where it already does)."""
+    dense_curves = [c for c in curves if c.run.dense]
     rows = []
     for c in curves:
-        i = c.reach(target)
-        rows.append({"run": _name(c.run), "dense": c.run.dense, "evals": len(c.steps), "best_loss": min(c.loss),
+        i, best = c.reach(target), c.loss.index(min(c.loss))
+        dense_to_best = _fastest(dense_curves, c.loss[best])
+        x_best = dense_to_best / c.gpu_s[best] if dense_to_best is not None and c.gpu_s[best] > 0 else None
+        rows.append({"run": _name(c.run), "dense": c.run.dense, "evals": len(c.steps), "best_loss": c.loss[best],
                      "step": c.steps[i] if i is not None else None, "gpu_s": c.gpu_s[i] if i is not None else None,
-                     "flops": c.flops[i] if i is not None else None})
+                     "flops": c.flops[i] if i is not None else None, "x_dense_best": x_best,
+                     "speedup_for_125": 1.25 / x_best if x_best else None})
     dense = [r["gpu_s"] for r in rows if r["dense"] and r["gpu_s"] is not None]
     for r in rows:
         r["x_dense"] = min(dense) / r["gpu_s"] if dense and r["gpu_s"] else None
     return rows
 
 
+def _fastest(curves: Sequence[Curve], loss: float) -> float | None:
+    """The fewest GPU-seconds any of ``curves`` needs to reach ``loss`` (None: none does)."""
+    times = [c.gpu_s[i] for c in curves if (i := c.reach(loss)) is not None]
+    return min(times) if times else None
+
+
 def format_reach_table(curves: Sequence[Curve], target: float, how: str) -> str:
     """The aligned table "GPU-seconds to reach loss L"; ``how`` says where L came from."""
-    head = ["run", "evals", "best eval loss", "reached at step", "GPU s", "FLOPs", "x dense (GPU s)"]
+    head = ["run", "evals", "best eval loss", "reached at step", "GPU s", "FLOPs", "x dense (GPU s)",
+            "x dense at its best", "faster for 1.25x"]
     body = []
     for r in reach_rows(curves, target):
+        own = (["-", "-"] if r["dense"] or r["x_dense_best"] is None
+               else [f"{r['x_dense_best']:.2f}", f"{max(1.0, r['speedup_for_125']):.2f}x"])
         if r["gpu_s"] is None:
-            body.append([r["run"], str(r["evals"]), f"{r['best_loss']:.4f}", "never", "-", "-", "-"])
+            body.append([r["run"], str(r["evals"]), f"{r['best_loss']:.4f}", "never", "-", "-", "-", *own])
         else:
             x = f"{r['x_dense']:.2f}" if r["x_dense"] is not None else "-"
             body.append([r["run"], str(r["evals"]), f"{r['best_loss']:.4f}", str(r["step"]), f"{r['gpu_s']:.1f}",
-                         format_flops(r["flops"]), x])
+                         format_flops(r["flops"]), x, *own])
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-    lines = [f"GPU-seconds to reach eval loss {target:.4f} ({how})",
+    lines = [f"GPU-seconds to reach eval loss {target:.4f} ({how}); \"at its best\": dense's GPU-seconds to the run's "
+             "best loss over the run's, and how much faster the run would have to be to get there 1.25x sooner",
              "  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in body]
     return "\n".join(lines)
