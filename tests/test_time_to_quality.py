@@ -20,11 +20,12 @@ def test_each_arm_composes_validates_and_shares_the_studys_settings(arm):
     cfg = compose(["recipe=time_to_quality", f"ttq_arm={arm}"])
     spec = build_run(cfg)
     assert spec.train_args.recipe == "time_to_quality"
+    size = "large" if arm.startswith("wide_") else arm.split("_")[1] if arm.startswith("dense_") else "base"
     assert (cfg.model.size, cfg.data.source, cfg.trainer.max_steps, cfg.optim.warmup_steps) == \
-        ("large" if arm.startswith("wide_") else "base", "english_large", 1000, 300)
+        (size, "english_large", 1000, 300)
     assert cfg.model.fused_qkv and not cfg.model.fp32_residual            # every arm runs the speed settings
     sparsity = OmegaConf.to_container(cfg.sparsity, resolve=True)
-    if arm == "dense":
+    if arm.startswith("dense"):
         assert sparsity["name"] == "dense"
         return
     assert sparsity["density"] == cfg.study.density and sparsity["format"] == "block"
