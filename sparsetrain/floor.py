@@ -86,7 +86,8 @@ def _row(category: str, flops: float, nbytes: float, card: Card) -> FloorRow:
 
 
 def _layer_bytes(r) -> float:
-    return BF16 * 3 * r.tokens * (r.in_features + r.out_features) + WEIGHT_BYTES * r.in_features * r.out_features * r.density
+    activations = BF16 * 3 * r.tokens * (r.in_features + r.out_features)
+    return activations + WEIGHT_BYTES * r.in_features * r.out_features * r.density
 
 
 def step_floor(report: FlopReport, config, parameters: int, card: Card) -> list[FloorRow]:

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sparsetrain.flops import FlopReport, LayerFlops, count_step_flops
 from sparsetrain.floor import CARDS, Card, format_floor, step_floor
+from sparsetrain.flops import FlopReport, LayerFlops, count_step_flops
 from sparsetrain.models.builders import build_model
 from sparsetrain.nn import sparsify
 

@@ -16,8 +16,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from sparsetrain.nn.formats.base import (FormatCaps, WeightFormat, get_format, is_sharded, swap_parameter, whole,
-                                         write_whole)
+from sparsetrain.nn.formats.base import (
+    FormatCaps,
+    WeightFormat,
+    get_format,
+    is_sharded,
+    swap_parameter,
+    whole,
+    write_whole,
+)
 from sparsetrain.sparsity.layout import (
     Block,
     BlockLike,
