@@ -291,16 +291,9 @@ def settle_new_moments(optimizer: torch.optim.Optimizer | None, weight: Tensor, 
     >>> opt.state[w]["exp_avg_sq"].tolist()
     [[4.0, 3.0], [2.0, 3.0]]
     """
-    state = optimizer.state.get(weight) if optimizer is not None else None
-    v = state.get("exp_avg_sq") if state else None
-    if not torch.is_tensor(v) or v.shape != weight.shape:
-        return
-    inside = mask.to(device=v.device, dtype=torch.bool)
-    if not bool(inside.any()):
-        return
-    mean = v[inside].float().mean().to(v.dtype)
-    with torch.no_grad():
-        v.copy_(torch.where(~inside & (v == 0), mean, v))
+    inside = mask.to(dtype=torch.bool)
+    _settle_second_moment(optimizer, weight, fill=lambda v: ~inside.to(v.device),
+                          mean_of=lambda v: inside.to(v.device))
 
 
 def settle_regrown_moments(optimizer: torch.optim.Optimizer | None, param: Tensor,
@@ -318,13 +311,23 @@ def settle_regrown_moments(optimizer: torch.optim.Optimizer | None, param: Tenso
     >>> opt.state[w]["exp_avg_sq"].tolist()
     [[4.0, 3.0], [2.0, 0.0]]
     """
+    def where(v: Tensor) -> Tensor:
+        return torch.ones_like(v, dtype=torch.bool) if active is None else active.to(v.device, torch.bool)
+
+    _settle_second_moment(optimizer, param, fill=where, mean_of=lambda v: where(v) & (v != 0))
+
+
+def _settle_second_moment(optimizer, param: Tensor, fill, mean_of) -> None:
+    """Adam's ``exp_avg_sq`` of ``param``: its zero entries where ``fill(v)`` is True become the mean of the entries
+    where ``mean_of(v)`` is (both bool masks of the whole moment ``v``; nothing where ``param`` has no such state).
+    No host sync: the mean is a ratio of device sums. A sharded moment (FSDP2) is gathered, settled whole, and
+    each rank keeps its shard."""
     state = optimizer.state.get(param) if optimizer is not None else None
     v = state.get("exp_avg_sq") if state else None
     if not torch.is_tensor(v) or v.shape != param.shape:
         return
     with torch.no_grad():
-        full = whole(v)   # a sharded moment (FSDP2) is gathered, settled whole, and each rank keeps its shard
-        act = torch.ones_like(full, dtype=torch.bool) if active is None else active.to(full.device, torch.bool)
-        live = act & (full != 0)
-        mean = (full.float() * live).sum() / live.sum().clamp(min=1)
-        write_whole(v, torch.where(act & (full == 0), mean.to(full.dtype), full))
+        full = whole(v)
+        source = mean_of(full)
+        mean = (full.float() * source).sum() / source.sum().clamp(min=1)
+        write_whole(v, torch.where(fill(full) & (full == 0), mean.to(full.dtype), full))
