@@ -93,3 +93,30 @@ def test_a_sparse_then_dense_run_is_not_a_dense_baseline(study):
     assert switch.gpu_s == pytest.approx([2.5, 7.5])
     row = next(r for r in reach_rows(read_curves(runs), 3.0) if r["run"].startswith("static+dense"))
     assert not row["dense"] and row["x_dense"] == pytest.approx(10.0 / 2.5)
+
+
+def test_runs_of_several_models_are_labelled_by_model(tmp_path, capsys):
+    """A narrower dense baseline beside a wider sparse model (the study's item 3): every label names its model
+    (read from the run's config.yaml), in the printed tables, the curves' CSV and the runs CSV, which reads back;
+    runs of one model keep the short labels."""
+    import yaml
+
+    from sparsetrain.pareto import read_table
+
+    for name, method, density, size in (("base", "dense", 1.0, "base"), ("small", "dense", 1.0, "small"),
+                                        ("sparse", "static", 0.1, "base")):
+        _run(tmp_path / name, method, density, step_s=0.1, slope=0.02)
+        (tmp_path / name / "config.yaml").write_text(yaml.safe_dump({"model": {"arch": "bert", "size": size}}))
+    out = tmp_path / "plots" / "p.png"
+    assert main([str(tmp_path), "--out", str(out), "--curves"]) == 0
+    text = capsys.readouterr().out
+    for label in ("dense bert-small 100 steps", "dense bert-base 100 steps", "static bert-base 0.1 16x16"):
+        assert label in text, label
+    assert "dense (bert-small)" in text                                     # the runs table's method column
+    with open(out.with_name("p_curves.csv"), newline="") as f:
+        assert {row["run"] for row in csv.DictReader(f)} == {
+            "dense bert-base 100 steps", "dense bert-small 100 steps", "static bert-base 0.1 16x16"}
+    assert sorted(r.model for r in read_table(out.with_suffix(".csv"))) == ["bert-base", "bert-base", "bert-small"]
+    (tmp_path / "small" / "config.yaml").write_text(yaml.safe_dump({"model": {"arch": "bert", "size": "base"}}))
+    assert main([str(tmp_path), "--out", str(out), "--curves"]) == 0
+    assert "bert-" not in capsys.readouterr().out.split("GPU-seconds to reach")[1]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sparsetrain.pareto.runs import RunResult
-from sparsetrain.pareto.tables import _ALIASES, _order, point_label
+from sparsetrain.pareto.tables import _ALIASES, _order, point_label, several_models
 from sparsetrain.training.metrics import format_flops, read_metrics, read_summary, train_seconds
 
 
@@ -82,8 +82,12 @@ def dense_target(runs: Sequence[RunResult]) -> float | None:
     return statistics.fmean(r.final_eval_loss for r in dense if r.total_train_flops >= 0.999 * longest)
 
 
-def _name(run: RunResult) -> str:
-    return f"{_ALIASES.get(run.method, run.method)} {point_label(run, with_seed=True)}"
+def _name(run: RunResult, with_model: bool = False) -> str:
+    return f"{_ALIASES.get(run.method, run.method)} {point_label(run, with_seed=True, with_model=with_model)}"
+
+
+def _with_model(curves: Sequence[Curve]) -> bool:
+    return several_models([c.run for c in curves])
 
 
 def reach_rows(curves: Sequence[Curve], target: float) -> list[dict]:
@@ -92,13 +96,13 @@ def reach_rows(curves: Sequence[Curve], target: float) -> list[dict]:
     ratio at the run's own best loss (``x_dense_best``: dense's GPU-seconds to that loss over the run's) and
     ``speedup_for_125``: by how much the run's GPU-seconds would have to shrink for it to reach its best loss
     1.25x sooner than dense (1.25 / x_dense_best; at most 1 where it already does)."""
-    dense_curves = [c for c in curves if c.run.dense]
+    dense_curves, with_model = [c for c in curves if c.run.dense], _with_model(curves)
     rows = []
     for c in curves:
         i, best = c.reach(target), c.loss.index(min(c.loss))
         dense_to_best = _fastest(dense_curves, c.loss[best])
         x_best = dense_to_best / c.gpu_s[best] if dense_to_best is not None and c.gpu_s[best] > 0 else None
-        rows.append({"run": _name(c.run), "dense": c.run.dense, "evals": len(c.steps), "best_loss": c.loss[best],
+        rows.append({"run": _name(c.run, with_model), "dense": c.run.dense, "evals": len(c.steps), "best_loss": c.loss[best],
                      "step": c.steps[i] if i is not None else None, "gpu_s": c.gpu_s[i] if i is not None else None,
                      "flops": c.flops[i] if i is not None else None, "x_dense_best": x_best,
                      "speedup_for_125": 1.25 / x_best if x_best else None})
@@ -141,20 +145,21 @@ def write_curves(curves: Sequence[Curve], target: float, out: str | os.PathLike)
     out = Path(out)
     png, table = out.with_name(out.stem + "_curves.png"), out.with_name(out.stem + "_curves.csv")
     png.parent.mkdir(parents=True, exist_ok=True)
+    with_model = _with_model(curves)
     with open(table, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["run", "path", "step", "gpu_s", "train_flops", "eval_loss"])
         for c in curves:
             for point in zip(c.steps, c.gpu_s, c.flops, c.loss, strict=True):
-                writer.writerow([_name(c.run), str(c.run.path), *point])
+                writer.writerow([_name(c.run, with_model), str(c.run.path), *point])
     fig = curves_figure(curves, target)
     fig.savefig(png, dpi=fig.dpi)
     return png, table
 
 
 def curves_figure(curves: Sequence[Curve], target: float):
-    """Eval loss against GPU-seconds (left) and FLOPs (right, log x): a line per run (dense runs black), the
-    target loss as a dashed line."""
+    """Eval loss against GPU-seconds (left) and FLOPs (right, log x): a line per run (dense runs black, a line
+    style per model), the target loss as a dashed grey line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -165,9 +170,12 @@ def curves_figure(curves: Sequence[Curve], target: float):
     left, right = fig.subplots(1, 2)
     colours = iter(["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
                     "#bcbd22", "#7f7f7f"] * 10)
+    with_model, dashes = _with_model(curves), iter(["-", "--", ":", "-."] * 10)
+    dense_styles = {m: next(dashes) for m in sorted({c.run.model or "" for c in curves if c.run.dense})}
     for c in curves:
-        style = {"color": "black", "lw": 2.0} if c.run.dense else {"color": next(colours), "lw": 1.3}
-        left.plot(c.gpu_s, c.loss, marker=".", label=_name(c.run), **style)
+        style = ({"color": "black", "lw": 2.0, "ls": dense_styles[c.run.model or ""]} if c.run.dense
+                 else {"color": next(colours), "lw": 1.3})
+        left.plot(c.gpu_s, c.loss, marker=".", label=_name(c.run, with_model), **style)
         right.plot(c.flops, c.loss, marker=".", **style)
     for ax, xlabel in ((left, "training GPU-seconds"), (right, "training FLOPs")):
         ax.axhline(target, ls="--", color="grey", lw=1)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sparsetrain._plot_labels import label_points
 from sparsetrain.pareto.runs import RunResult
-from sparsetrain.pareto.tables import _ALIASES, _block_size, _time_axis, frontier, point_label
+from sparsetrain.pareto.tables import _ALIASES, _block_size, _time_axis, frontier, point_label, several_models
 
 # --------------------------------------------------------------------------------------------------
 # The plot
@@ -45,7 +45,7 @@ def pareto_figure(runs: Sequence[RunResult]):
     colors = {m: f"C{i % 10}" for i, m in enumerate(m for m in methods if m != "dense")} | {"dense": "black"}
     time = _time_axis(points)
     panels = [("total_train_flops", "total training FLOPs")] + ([time] if time else [])
-    with_seed = len({r.seed for r in points}) > 1
+    with_seed, with_model = len({r.seed for r in points}) > 1, several_models(points)
 
     # Figure + Agg canvas directly, not pyplot: no global backend switch, no display needed.
     height = min(14.0, max(7.5, 4.0 + 0.06 * len(points)))   # room for the labels of a crowded study
@@ -99,7 +99,7 @@ def pareto_figure(runs: Sequence[RunResult]):
     fig.set_layout_engine("none")
     for ax, (attr, _) in zip(axes, panels):
         order = sorted(points, key=lambda r: (getattr(r, attr), r.final_eval_loss))
-        items = [(getattr(r, attr), r.final_eval_loss, point_label(r, with_seed), colors[r.method]) for r in order]
+        items = [(getattr(r, attr), r.final_eval_loss, point_label(r, with_seed, with_model), colors[r.method]) for r in order]
         label_points(fig, ax, items, marker_px=_MARKER_SIZE * fig.dpi / 72)
     return fig
 

@@ -41,6 +41,7 @@ class RunResult:
     date: str | None = None         # when the run last wrote its summary (or metrics), YYYY-MM-DD
     target_density: float | None = None   # what the config asked for (`density` is what the layers reached)
     step_mode: str | None = None    # the summary's `step_mode`: "cuda_graph" or "eager"
+    model: str | None = None        # the config's model as ``arch-size`` ("bert-small"), where it names one
 
     @property
     def nominal_density(self) -> float | None:
@@ -239,7 +240,14 @@ def read_run(run_dir: str | os.PathLike) -> RunResult:
         date=date,
         target_density=_number(_config_get(config, "sparsity", "density")),
         step_mode=str(summary["step_mode"]) if summary and summary.get("step_mode") else None,
+        model=_model_name(config),
     )
+
+
+def _model_name(config: dict) -> str | None:
+    """``arch-size`` of the config's model ("bert-base"), None where it does not name both."""
+    arch, size = _config_get(config, "model", "arch"), _config_get(config, "model", "size")
+    return f"{arch}-{size}" if isinstance(arch, str) and isinstance(size, str) else None
 
 
 def collect_runs(paths: Sequence[str | os.PathLike]) -> list[RunResult]:
@@ -322,7 +330,7 @@ def read_table(path: str | os.PathLike) -> list[RunResult]:
             gpu_s=_cell(row, "gpu_s", float, where), seed=_cell(row, "seed", int, where),
             device=(row.get("device") or "").strip() or None, date=(row.get("date") or "").strip() or None,
             target_density=_cell(row, "target_density", float, where),
-            step_mode=(row.get("step_mode") or "").strip() or None))
+            step_mode=(row.get("step_mode") or "").strip() or None, model=(row.get("model") or "").strip() or None))
     return runs
 
 
@@ -334,8 +342,9 @@ def _display_path(path: Path) -> str:
 
 
 CSV_COLUMNS = ["method", "label", "target_density", "density", "block", "seed", "steps", "train_flops", "gpu_s",
-               "wall_s", "final_eval_loss", "frontier", "status", "step_mode", "device", "date", "path"]
+               "wall_s", "final_eval_loss", "frontier", "status", "step_mode", "device", "date", "model", "path"]
 
 
-# What read_table needs of a CSV; the label and frontier columns are recomputed.
-_TABLE_NEEDS = [c for c in CSV_COLUMNS if c not in ("label", "frontier")]
+# What read_table needs of a CSV; the label and frontier columns are recomputed, and tables written before the
+# model column existed still read.
+_TABLE_NEEDS = [c for c in CSV_COLUMNS if c not in ("label", "frontier", "model")]

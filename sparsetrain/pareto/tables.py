@@ -37,16 +37,29 @@ def _block_text(block: str | None) -> str:
     return block if "x" in block else f"{block}x{block}"
 
 
-def point_label(run: RunResult, with_seed: bool = False) -> str:
+def point_label(run: RunResult, with_seed: bool = False, with_model: bool = False) -> str:
     """What tells a point apart from the others of its method: steps for a dense run, density and block for a
-    sparse one, and the seed when the runs have several.
+    sparse one, the model when the runs have several (:func:`several_models`), and the seed when they have
+    several seeds.
 
     Example:
         >>> point_label(RunResult(Path("r"), "static", 0.1, "16", 3.2, 1e15, 60.0, "finished", steps=800))
         '0.1 16x16'
     """
     text = f"{run.steps} steps" if run.dense else f"{run.nominal_density:.3g} {_block_text(run.block)}"
+    if with_model and run.model:
+        text = f"{run.model} {text}"
     return f"{text} s{run.seed}" if with_seed and run.seed is not None else text
+
+
+def several_models(runs: Sequence[RunResult]) -> bool:
+    """True when ``runs`` train more than one model (then every label names its model)."""
+    return len({r.model for r in runs}) > 1
+
+
+def method_cell(run: RunResult, with_model: bool) -> str:
+    """The method column of the tables: ``dense (bert-small)`` where the runs have several models."""
+    return f"{run.method} ({run.model})" if with_model and run.model else run.method
 
 
 def frontier(runs: Sequence[RunResult], cost: Callable[[RunResult], float]) -> list[RunResult]:
@@ -98,11 +111,11 @@ def format_table(runs: Sequence[RunResult]) -> str:
     """
     header = ["method", "density", "block", "seed", "steps", "FLOPs", "GPU s", "wall s", "eval loss", "status",
               "path"]
-    body = []
+    body, with_model = [], several_models(runs)
     for r in _order(runs):
         status = r.status if r.status == "finished" else f"*{r.status}"
         body.append([
-            r.method,
+            method_cell(r, with_model),
             "-" if r.density is None else f"{r.density:.3f}",
             r.block or "-",
             "-" if r.seed is None else str(r.seed),
@@ -149,15 +162,15 @@ def write_tables(runs: Sequence[RunResult], out: str | os.PathLike) -> tuple[Pat
     out.parent.mkdir(parents=True, exist_ok=True)
     ordered = _order(runs)
     marks = _frontier_marks(ordered)
-    with_seed = len({r.seed for r in runs}) > 1
+    with_seed, with_model = len({r.seed for r in runs}) > 1, several_models(runs)
     csv_path, md_path = out.with_suffix(".csv"), out.with_suffix(".md")
     with open(csv_path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for r in ordered:
-            writer.writerow([r.method, point_label(r, with_seed), r.target_density, r.density, r.block, r.seed, r.steps,
+            writer.writerow([r.method, point_label(r, with_seed, with_model), r.target_density, r.density, r.block, r.seed, r.steps,
                              r.total_train_flops, r.gpu_s, r.wall_s, r.final_eval_loss, " ".join(marks[r.path]),
-                             r.status, r.step_mode, r.device, r.date, _display_path(r.path)])
+                             r.status, r.step_mode, r.device, r.date, r.model, _display_path(r.path)])
 
     devices = ", ".join(sorted({r.device for r in runs if r.device})) or "device not recorded"
     dates = sorted({r.date for r in runs if r.date})
@@ -171,7 +184,7 @@ def write_tables(runs: Sequence[RunResult], out: str | os.PathLike) -> tuple[Pat
     for r in ordered:
         loss = "-" if r.final_eval_loss is None else f"{r.final_eval_loss:.4f}"
         lines.append(" | ".join([
-            f"| {r.method}", "-" if r.nominal_density is None else f"{r.nominal_density:.3g}", _block_text(r.block),
+            f"| {method_cell(r, with_model)}", "-" if r.nominal_density is None else f"{r.nominal_density:.3g}", _block_text(r.block),
             "-" if r.seed is None else str(r.seed), "-" if r.steps is None else str(r.steps),
             format_flops(r.total_train_flops), "-" if r.gpu_s is None else f"{r.gpu_s:.1f}",
             f"**{loss}**" if marks[r.path] else loss, ", ".join(marks[r.path]) or "-", r.status,

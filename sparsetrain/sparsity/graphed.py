@@ -14,7 +14,10 @@ built-in policies (SET, RigL) run that sequence from a CUDA graph:
   blocks, ties broken by index as :func:`~sparsetrain.sparsity.layout.topk_mask` does;
 - the first update captures the sequence and replays it, later ones replay it. Whenever what a layer keeps changed
   since the capture (a new launch plan's table, new buffers), the update captures again; where a capture fails
-  the update runs eagerly (after two failures, every later one).
+  the update runs eagerly (after two failures, every later one);
+- the layers' sequences are independent (each reads the shared inputs and writes only its own tensors), so the
+  capture puts them on ``streams`` side streams, round robin: the graph holds that many parallel branches, and the
+  GPU overlaps the small kernels of several layers instead of running some ten thousand of them one after another.
 
 The same sequence runs eagerly on any device (CPU tests compare it with the per-layer path).
 """
@@ -49,10 +52,17 @@ def why_not_graphed(sched) -> str | None:
 
 
 class GraphedUpdate:
-    """The update sequence of ``sched``'s layers over static inputs, run eagerly or replayed from a CUDA graph."""
+    """The update sequence of ``sched``'s layers over static inputs, run eagerly or replayed from a CUDA graph
+    whose layers run as ``streams`` parallel branches."""
 
-    def __init__(self, sched) -> None:
+    STREAMS = 8   # parallel branches of the captured update
+
+    def __init__(self, sched, streams: int | None = None) -> None:
+        streams = self.STREAMS if streams is None else streams
+        if not isinstance(streams, int) or streams < 1:
+            raise ValueError(f"streams must be a positive int, got {streams!r}")
         self.sched = sched
+        self.streams = streams
         self.layers = list(sched.layers.values())
         self.grids = [grid_shape((m.out_features, m.in_features), m.block) for m in self.layers]
         sizes = [r * c for r, c in self.grids]
@@ -93,16 +103,33 @@ class GraphedUpdate:
 
     # -- the sequence -----------------------------------------------------------------------------------
     def _body(self) -> None:
-        opt = self.sched.optimizer
-        for i, layer in enumerate(self.layers):
-            mask = layer.mask
-            w = layer.dense_weight()
-            drop = to_scores_grid(self.sched.policy.drop_scores(w, None, mask), w.shape, layer.block)
-            dropped = ranked(-drop.float().masked_fill(~mask, float("inf")), self.k[i])
-            grown = ranked(self.grow_parts[i].masked_fill(mask, float("-inf")), self.k[i])
-            layer.set_mask((mask & ~dropped) | grown, opt)
-            if self.sched.regrow_moments == "mean":
-                layer.settle_regrown_moments(opt)
+        for i in range(len(self.layers)):
+            self._layer(i)
+
+    def _layer(self, i: int) -> None:
+        """Layer ``i``'s update: drop the k weakest active blocks, grow the k best-scored inactive ones."""
+        opt, layer = self.sched.optimizer, self.layers[i]
+        mask = layer.mask
+        w = layer.dense_weight()
+        drop = to_scores_grid(self.sched.policy.drop_scores(w, None, mask), w.shape, layer.block)
+        dropped = ranked(-drop.float().masked_fill(~mask, float("inf")), self.k[i])
+        grown = ranked(self.grow_parts[i].masked_fill(mask, float("-inf")), self.k[i])
+        layer.set_mask((mask & ~dropped) | grown, opt)
+        if self.sched.regrow_moments == "mean":
+            layer.settle_regrown_moments(opt)
+
+    def _branches(self) -> None:
+        """The sequence with layer ``i`` on side stream ``i % streams``, forked from and joined back into the
+        current stream (inside a capture: parallel branches of the graph)."""
+        main = torch.cuda.current_stream()
+        sides = [torch.cuda.Stream() for _ in range(min(self.streams, len(self.layers)))]
+        for side in sides:
+            side.wait_stream(main)
+        for i in range(len(self.layers)):
+            with torch.cuda.stream(sides[i % len(sides)]):
+                self._layer(i)
+        for side in sides:
+            main.wait_stream(side)
 
     @classmethod
     def for_scheduler(cls, sched) -> GraphedUpdate | None:
@@ -161,7 +188,7 @@ class GraphedUpdate:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._body()
+                self._branches() if self.streams > 1 else self._body()
         except RuntimeError:
             torch.cuda.synchronize()
             self.failed += 1

@@ -85,12 +85,15 @@ def test_only_built_in_policies_and_graph_safe_layers_are_graphed():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy,dw", [("set", "triton"), ("rigl", "triton"), ("set", "cuda"), ("rigl", "cuda")])
-def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw):
+@pytest.mark.parametrize("policy,dw,streams", [("set", "triton", 8), ("rigl", "triton", 8), ("set", "cuda", 8),
+                                               ("rigl", "cuda", 8), ("set", "cuda", 1), ("rigl", "cuda", 2)])
+def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, monkeypatch):
     """On the GPU a PruneRegrow scheduler updates from one CUDA graph, captured at the first update and replayed
     at every one; after each, the masks, values and Adam moments equal those of the same scheduler updating layer
     by layer, and the layers compute the new topology, with the Triton or the CUDA weight-gradient kernel forced
-    (its groups, or its CTA table, rebuilt in the graph)."""
+    (its groups, or its CTA table, rebuilt in the graph), whether the graph runs the layers as one chain
+    (streams=1) or as parallel branches (2: two layers share a branch; 8: one branch each)."""
+    monkeypatch.setattr(GraphedUpdate, "STREAMS", streams)
     from sparsetrain.kernels.blocksparse import _cuda, gather
     from sparsetrain.kernels.blocksparse.testing import forced_config
 
@@ -124,8 +127,20 @@ def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw):
                         assert torch.equal(v, ob.state[pb][k]), (step, k)
     graphed = runs[1][2]._graphed
     assert graphed and graphed.eager == 0 and graphed.captures == 1 and graphed.replays == 6
+    assert graphed.streams == streams
     assert all(m.graph_update_key() is not None for m in runs[1][2].layers.values())   # every table on the GPU
     for layer in runs[1][2].layers.values():
         xi = torch.randn(64, layer.in_features, device="cuda", dtype=torch.bfloat16)
         torch.testing.assert_close(layer(xi).float(), (xi @ layer.dense_weight().t() + layer.bias).float(),
                                    rtol=2e-2, atol=2e-2)
+
+
+def test_the_branch_count_must_be_a_positive_int():
+    model = nn.Sequential(nn.Linear(32, 32))
+    sparsify(model, density=0.25, block=8, format="block", seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = PruneRegrow(policy="set", drop_fraction=0.5, interval=2, seed=0).attach(model, opt, total_steps=10)
+    assert GraphedUpdate(sched).streams == GraphedUpdate.STREAMS
+    for bad in (0, -1, 2.0, "8"):
+        with pytest.raises(ValueError, match="streams must be a positive int"):
+            GraphedUpdate(sched, streams=bad)
