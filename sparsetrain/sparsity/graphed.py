@@ -165,6 +165,18 @@ class GraphedUpdate:
         self.keys = self._keys()   # what the next update must find to replay (the first one may add entries)
         return True
 
+    def prepare(self) -> bool:
+        """Capture the sequence ahead of the first update (start-up work, like the training step's own capture), and
+        replay it once with ``k = 0`` for every layer: nothing dropped or grown, every kept tensor rewritten with
+        what it holds. The first update then only replays. False where nothing was captured (not on a GPU, a
+        layer that needs the host, a failed capture)."""
+        if not self.on_cuda or self.graph is not None or any(key[0] is None for key in self._keys()):
+            return False
+        self.k.zero_()
+        ok = self._capture()
+        self.keys = self._keys() if ok else None
+        return ok
+
     def eager_update(self, step: int, frac: float, grads: dict[str, Tensor]) -> None:
         """The same sequence run eagerly, on any device (what the graph replays; tests compare it)."""
         self._fill(step, self.counts(frac), grads)

@@ -125,6 +125,11 @@ class SparsityScheduler:
         self._density = None
         return self
 
+    def prepare_updates(self) -> bool:
+        """Build ahead of the first mask update what every update reuses (start-up work); True when something
+        the training step reads may have been replaced. Nothing to build here."""
+        return False
+
     def step(self, step: int | None = None) -> dict[str, Any] | None:
         """Call after optimizer step number ``step`` (1-based). Returns a record when masks changed."""
         self.step_count = self.step_count + 1 if step is None else int(step)
@@ -299,6 +304,13 @@ class PruneRegrow(SparsityScheduler):
 
     def is_update_step(self, step: int) -> bool:
         return self._dense_due(step) or (not self.switched and self.schedule.is_update_step(step))
+
+    def prepare_updates(self) -> bool:
+        """Capture the graphed update (:meth:`GraphedUpdate.prepare`) once the layers' kernel plans exist, so that
+        the first update replays instead of capturing; True when it did."""
+        if self._graphed is None and not self.switched and self.layers:
+            self._graphed = GraphedUpdate.for_scheduler(self) or False
+        return bool(self._graphed) and not self.switched and self._graphed.prepare()
 
     def _update(self, step: int) -> dict[str, Any] | None:
         if not self.is_update_step(step):

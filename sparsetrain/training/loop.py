@@ -172,10 +172,8 @@ class Trainer:
 
     def _setup_counting(self) -> None:
         """FLOPs per step, the 2:4 dispatch decisions, whether mask updates need the dense gradient."""
-        data = self.data
         self.global_batch = self.args.batch_size * self.args.grad_accum * self.accelerator.num_processes
-        self.seq_len = getattr(data, "seq_len", None)
-        self.image_size = getattr(data, "image_size", None)
+        self.seq_len, self.image_size = getattr(self.data, "seq_len", None), getattr(self.data, "image_size", None)
         self.flops = self.flop_report()
         self.dispatch = plan_kernel_dispatch(self.inner, tokens=self.args.batch_size * self.flops.seq_tokens,
                                              cpu=self.cpu)
@@ -291,8 +289,7 @@ class Trainer:
             n_items, self.rate_key = count_items(batch)
             items += n_items
             micro_batches.append(batch)
-        # a step whose layers hand their dense gradient to Python (RigL's grow step) runs eagerly, on the
-        # uncompiled model
+        # a step whose layers hand their dense gradient to Python (RigL's grow step): eager, uncompiled model
         hooks_step = self.needs_grad and mask_update_due(self.scheduler, self.step + 1)
         try:
             loss = self.run_step(micro_batches, plain=hooks_step)
@@ -337,6 +334,8 @@ class Trainer:
         else:
             self.train_flops += flop_count.step_flops(self.flops, is_update_step=False, dense_grad=False)
             self.hook_time += dt_hook
+            if self.step == self.rebuilt_at + self.run_step.warmup + 1 and self.scheduler.prepare_updates():
+                self.run_step.topology_changed()   # start-up work: the update's graph, captured before the first
         return record
 
     def log(self, row: dict) -> None:

@@ -85,14 +85,16 @@ def test_only_built_in_policies_and_graph_safe_layers_are_graphed():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy,dw,streams", [("set", "triton", 8), ("rigl", "triton", 8), ("set", "cuda", 8),
-                                               ("rigl", "cuda", 8), ("set", "cuda", 1), ("rigl", "cuda", 2)])
-def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, monkeypatch):
+@pytest.mark.parametrize("policy,dw,streams,prepare", [
+    ("set", "triton", 8, False), ("rigl", "triton", 8, True), ("set", "cuda", 8, True), ("rigl", "cuda", 8, False),
+    ("set", "cuda", 1, False), ("rigl", "cuda", 2, True)])
+def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, prepare, monkeypatch):
     """On the GPU a PruneRegrow scheduler updates from one CUDA graph, captured at the first update and replayed
     at every one; after each, the masks, values and Adam moments equal those of the same scheduler updating layer
     by layer, and the layers compute the new topology, with the Triton or the CUDA weight-gradient kernel forced
     (its groups, or its CTA table, rebuilt in the graph), whether the graph runs the layers as one chain
-    (streams=1) or as parallel branches (2: two layers share a branch; 8: one branch each)."""
+    (streams=1) or as parallel branches (2: two layers share a branch; 8: one branch each), and whether the graph
+    is captured at the first update or ahead of it (`prepare_updates` after step 1: the first update replays)."""
     monkeypatch.setattr(GraphedUpdate, "STREAMS", streams)
     from sparsetrain.kernels.blocksparse import _cuda, gather
     from sparsetrain.kernels.blocksparse.testing import forced_config
@@ -118,6 +120,8 @@ def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, mo
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 sched.step(step)
+            if prepare and step == 1:
+                assert runs[1][2].prepare_updates() and not runs[0][2].prepare_updates()
             if step % 2 == 0:
                 (a, oa, _), (b, ob, _) = runs
                 for k, v in a.state_dict().items():
@@ -126,7 +130,7 @@ def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, mo
                     for k, v in oa.state[pa].items():
                         assert torch.equal(v, ob.state[pb][k]), (step, k)
     graphed = runs[1][2]._graphed
-    assert graphed and graphed.eager == 0 and graphed.captures == 1 and graphed.replays == 6
+    assert graphed and graphed.eager == 0 and graphed.captures == 1 and graphed.replays == 6 + prepare
     assert graphed.streams == streams
     assert all(m.graph_update_key() is not None for m in runs[1][2].layers.values())   # every table on the GPU
     for layer in runs[1][2].layers.values():
@@ -144,3 +148,40 @@ def test_the_branch_count_must_be_a_positive_int():
     for bad in (0, -1, 2.0, "8"):
         with pytest.raises(ValueError, match="streams must be a positive int"):
             GraphedUpdate(sched, streams=bad)
+
+
+def _kept(sched) -> dict:
+    """Every tensor a layer's update rewrites besides the weights: its metadata's tensors and kept tables."""
+    out = {}
+    for name, layer in sched.layers.items():
+        meta = layer.storage.meta(layer)
+        out.update({f"{name}.{n}": getattr(meta, n).clone() for n in meta.TENSORS})
+        for key, value in meta._groups.items():
+            for j, t in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+                if torch.is_tensor(t):
+                    out[f"{name}.{key}.{j}"] = t.clone()
+    return out
+
+
+@pytest.mark.parametrize("policy,moments", [("set", "zero"), ("rigl", "mean")])
+def test_the_sequence_with_no_block_to_move_changes_nothing(policy, moments):
+    """What `GraphedUpdate.prepare` replays once at start-up: k = 0 for every layer drops and grows nothing, and
+    leaves masks, weights, Adam moments and every metadata tensor and kept table bit for bit as they were; the
+    next real update is then the per-layer one."""
+    model_a, opt_a, sched_a = _setup(policy, regrow_moments=moments)
+    model_b, opt_b, sched_b = _setup(policy, regrow_moments=moments)
+    graphed = GraphedUpdate(sched_b)
+    before, kept = _state(model_b, opt_b), _kept(sched_b)
+    graphed.k.zero_()
+    graphed.grow.uniform_()                       # scores are there, but no block may grow
+    graphed._body()
+    after = _state(model_b, opt_b)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    now = _kept(sched_b)
+    assert kept.keys() == now.keys() and len(kept) > 3 and all(torch.equal(kept[k], now[k]) for k in kept)
+    record = sched_a.step(4)
+    grads = sched_b._reduced_grads() if sched_b.policy.needs_grad else {}
+    graphed.eager_update(4, sched_b.drop_fn(4), grads)
+    assert record["pruned"] > 0
+    a, b = _state(model_a, opt_a), _state(model_b, opt_b)
+    assert all(torch.equal(a[k], b[k]) for k in a)

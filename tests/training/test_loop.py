@@ -153,3 +153,22 @@ def test_a_batch_larger_than_the_held_out_set_is_refused_before_the_run_dir_is_w
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()
     summary = train(_spec(Static(), TrainArgs(eval_every=0, **args)), tmp_path / "no_eval")
     assert summary["steps"] == 2
+
+
+def test_the_scheduler_prepares_its_updates_once_inside_the_startup_window(tmp_path):
+    """`prepare_updates` (the graphed update's capture ahead of the first update) runs once, after the first step
+    of the process that a graph step would replay (warm-up + 1), and that step's window is start-up: its cost is
+    start-up work, left out of `train_s` like the training step's own capture."""
+    calls = []
+
+    class Preparing(Static):
+        def prepare_updates(self):
+            calls.append(self.step_count)
+            return True
+
+    args = TrainArgs(max_steps=5, batch_size=4, eval_every=0, log_every=1, device="cpu", progress=False,
+                     plot=False, recipe="plain")
+    train(_spec(Preparing(), args), tmp_path / "run")
+    assert calls == [2]
+    startup = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r and r.get("startup")]
+    assert startup == [1, 2]
