@@ -12,9 +12,10 @@ built-in policies (SET, RigL) run that sequence from a CUDA graph:
   gradient, computed eagerly);
 - the choice is a rank test (``rank < k``) instead of a ``topk(k)`` whose shape would follow ``k``: the same
   blocks, ties broken by index as :func:`~sparsetrain.sparsity.layout.topk_mask` does;
-- the first update captures the sequence and replays it, later ones replay it. Whenever what a layer keeps changed
-  since the capture (a new launch plan's table, new buffers), the update captures again; where a capture fails
-  the update runs eagerly (after two failures, every later one);
+- the sequence is captured ahead of the first update (:meth:`GraphedUpdate.prepare`, which the training loop
+  calls in its start-up window), else at the first update, and replayed at every update. Whenever what a layer
+  keeps changed since the capture (a new launch plan's table, new buffers), the update captures again; where a
+  capture fails the update runs eagerly (after two failures, every later one);
 - the layers' sequences are independent (each reads the shared inputs and writes only its own tensors), so the
   capture puts them on ``streams`` side streams, round robin: the graph holds that many parallel branches, and the
   GPU overlaps the small kernels of several layers instead of running some ten thousand of them one after another.
