@@ -43,13 +43,21 @@ def entry_info(meta, forward: bool) -> Tensor:
     key = ("bs_dds_info", forward)
     if key not in meta._groups:
         _, kidx, slot, oblk = meta.padded_entries(forward, 1, fixed=True)
-        b = meta.block
-        slot, oblk = slot.long(), oblk.long()
-        last = torch.ones_like(oblk)
-        if oblk.numel() > 1:
-            last[:-1] = (oblk[1:] != oblk[:-1]).long()
-        info = torch.stack([torch.where(slot >= 0, slot * b * b, -1), kidx.long() * b, oblk * b, last], dim=1)
-        meta._groups[key] = info.to(torch.int32).contiguous()
+        b, E = meta.block, oblk.numel()
+        # each column written in place (int32 throughout: no stack, no casts)
+        info = torch.empty(E, 4, dtype=torch.int32, device=oblk.device)
+        offset, column, out_column, last = info.unbind(1)
+        torch.mul(slot, b * b, out=offset)
+        if meta.n_blocks * b * b <= 2**31:   # no offset overflows: a padding entry's -b*b clamps to -1
+            offset.clamp_(min=-1)
+        else:
+            offset.masked_fill_(slot < 0, -1)
+        torch.mul(kidx, b, out=column)
+        torch.mul(oblk, b, out=out_column)
+        if E:
+            torch.ne(oblk[1:], oblk[:-1], out=last[:-1])
+            last[-1].fill_(1)
+        meta._groups[key] = info
     return meta._groups[key]
 
 
@@ -57,18 +65,22 @@ def warp_ranges(meta, forward: bool, n_ranges: int) -> Tensor:
     """:func:`warp_bounds` of the entry list of ``entry_info(meta, forward)``, cached on the metadata."""
     key = ("bs_wbound", forward, n_ranges)
     if key not in meta._groups:
-        meta._groups[key] = warp_bounds(meta.padded_entries(forward, 1, fixed=True)[0], n_ranges)
+        meta._groups[key] = warp_bounds(meta.padded_entries(forward, 1, fixed=True)[0], n_ranges,
+                                        meta._arange(n_ranges + 1))
     return meta._groups[key]
 
 
-def warp_bounds(pptr: Tensor, n_ranges: int) -> Tensor:
+def warp_bounds(pptr: Tensor, n_ranges: int, steps: Tensor | None = None) -> Tensor:
     """First entry of each of ``n_ranges`` warp ranges (+ the end), cut at output-block boundaries so that the
-    entry counts are as even as the blocks allow."""
-    ptr = pptr.long()  # no host sync: the total stays on the device
-    targets = torch.div(torch.arange(n_ranges + 1, device=ptr.device, dtype=torch.long) * ptr[-1], n_ranges,
-                        rounding_mode="floor")
-    idx = torch.searchsorted(ptr, targets).clamp(max=ptr.numel() - 1)
-    return ptr[idx].to(torch.int32).contiguous()
+    entry counts are as even as the blocks allow. ``steps``: ``arange(n_ranges + 1)`` (int64), where the caller
+    has one."""
+    if steps is None:
+        steps = torch.arange(n_ranges + 1, device=pptr.device, dtype=torch.long)
+    # no host sync: the total stays on the device. The targets are worked out in int64 and stored in pptr's dtype
+    # (searchsorted then compares like with like); each is at most pptr[-1], so every index is in range.
+    targets = torch.empty(n_ranges + 1, dtype=pptr.dtype, device=pptr.device)
+    torch.div(steps * pptr[-1], n_ranges, rounding_mode="floor", out=targets)
+    return pptr[torch.searchsorted(pptr, targets)].to(torch.int32)
 
 
 def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Tensor, int, int]:
@@ -79,12 +91,10 @@ def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Ten
     if key not in meta._groups:
         b, dev = meta.block, meta.device
         if forward:
-            out_blk, kidx = meta.row_idx.long(), meta.col_idx.long()
-            slot = torch.arange(meta.n_blocks, device=dev)
+            out_blk, kidx, slot = meta.as_long("row_idx"), meta.as_long("col_idx"), meta._arange(meta.n_blocks)
             n_out, k = meta.grid[0], meta.in_features
         else:   # the column of each transposed entry (no repeat_interleave: its size would wait for the device)
-            out_blk = torch.searchsorted(meta.col_ptr[1:].long(), torch.arange(meta.n_blocks, device=dev), right=True)
-            kidx, slot = meta.t_row_idx.long(), meta.t_slot.long()
+            out_blk, kidx, slot = meta.as_long("t_col"), meta.t_row_idx.long(), meta.t_slot.long()
             n_out, k = meta.grid[1], meta.out_features
         n_parts, n_warps = _cdiv(k, kp), _cdiv(n_out, ob)
         gw, jj, part = out_blk // ob, out_blk % ob, kidx * b // kp

@@ -22,35 +22,45 @@ from torch import Tensor
 
 
 def _ceil(a: Tensor | int, b: int) -> Tensor | int:
-    return (a + b - 1) // b
+    return (a + (b - 1)) // b
 
 
-def _bands(n_items: int, n_bands: int, device) -> Tensor:
-    """Band index of each of ``n_items`` (band ``i`` = items ``i*n//k .. (i+1)*n//k - 1``)."""
-    bounds = torch.arange(1, n_bands + 1, device=device) * n_items // n_bands
-    return torch.searchsorted(bounds, torch.arange(n_items, device=device), right=True)
+def _band(x: Tensor, n_items: int, n_bands: int) -> Tensor:
+    """Band of each item ``x`` (band ``i`` = items ``i*n//k .. (i+1)*n//k - 1``): the largest ``i`` with
+    ``i*n//k <= x``, i.e. ``i*n < (x+1)*k``."""
+    return (x * n_bands + (n_bands - 1)) // n_items
 
 
-def _ranges(owner: Tensor, values: Tensor, size: int) -> tuple[Tensor, Tensor]:
-    """Per row ``0..size-1``: the least and the largest of ``values`` whose ``owner`` it is (0 where none)."""
-    lo = torch.zeros(size, dtype=torch.long, device=values.device)
-    hi = torch.zeros(size, dtype=torch.long, device=values.device)
-    if values.numel():
-        lo.scatter_reduce_(0, owner, values, "amin", include_self=False)
-        hi.scatter_reduce_(0, owner, values, "amax", include_self=False)
-    return lo, hi
+def _ranges(owner: Tensor, rc: Tensor, size: int) -> Tensor:
+    """Per row ``0..size-1``: the least row and column of the blocks ``rc [n, 2]`` whose ``owner`` it is, then the
+    largest row and column negated (0 where none): one ``amin`` over both."""
+    out = torch.zeros(size, 4, dtype=rc.dtype, device=rc.device)
+    if rc.numel():
+        out.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, 4), torch.cat([rc, -rc], 1), "amin", include_self=False)
+    return out
 
 
-def _pack(rows: Tensor, owner: Tensor, order: Tensor, rr: Tensor, cc: Tensor, b: int) -> tuple[Tensor, Tensor]:
-    """The host ``_pack`` on tensors: ``rows [size, 8]`` in block units (zero rows past the used ones), the blocks
-    in position order (slot ``order[k]`` at ``rr[k], cc[k]``) owned by CTA ``owner[k]``."""
-    out = rows * b
-    out[:, :2] = rows[:, :2]
-    out[:, 3], out[:, 5] = (rows[:, 3] - rows[:, 2]) * b, (rows[:, 5] - rows[:, 4]) * b
+def _blocks(order: Tensor, rc: Tensor, lo: Tensor, b: int) -> Tensor:
+    """The ``blk`` rows of the host ``_pack``: slot ``order[k]`` at block ``rc[k] = (row, col)``, its offsets
+    (elements) from ``lo [n, 2]``, the least staged row and column (blocks) of its CTA, then 0."""
     if order.numel() == 0:
-        return out.to(torch.int32), torch.zeros(1, 4, dtype=torch.int32, device=rows.device)
-    blk = torch.stack([order, (rr - rows[owner, 2]) * b, (cc - rows[owner, 4]) * b, torch.zeros_like(order)], 1)
-    return out.to(torch.int32), blk.to(torch.int32)
+        return torch.zeros(1, 4, dtype=torch.int32, device=order.device)
+    blk = torch.zeros(order.numel(), 4, dtype=torch.int32, device=order.device)
+    blk[:, 0] = order
+    torch.mul(rc - lo, b, out=blk[:, 1:3])            # written (and cast) in place
+    return blk
+
+
+def _pack(rows: Tensor, owner: Tensor, order: Tensor, rc: Tensor, b: int) -> tuple[Tensor, Tensor]:
+    """The host ``_pack`` on tensors: ``rows [size, 8]`` in block units (zero rows past the used ones; its columns
+    3 and 5 are overwritten), the blocks in position order (slot ``order[k]`` at block ``rc[k]``) owned by CTA
+    ``owner[k]``."""
+    blk = _blocks(order, rc, rows[owner, 2:5:2], b)
+    rows[:, 3:6:2].sub_(rows[:, 2:5:2])                # a_hi, b_hi -> a_len, b_len
+    out = torch.empty(rows.shape, dtype=torch.int32, device=rows.device)
+    out[:, :2] = rows[:, :2]                           # first and count stay in blocks, the rest in elements
+    torch.mul(rows[:, 2:], b, out=out[:, 2:])
+    return out, blk
 
 
 def tile_rows(meta, with_bias: bool, cap: int, size: int, tiles: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -59,13 +69,14 @@ def tile_rows(meta, with_bias: bool, cap: int, size: int, tiles: tuple[int, int]
     (R, C), dev, n = meta.grid, meta.device, meta.n_blocks
     nr, nc = tiles
     rr, cc = meta.row_idx.long(), meta.col_idx.long()
-    cell = _bands(R, nr, dev)[rr] * nc + _bands(C, nc, dev)[cc]
-    order = torch.argsort(cell, stable=True)          # blocks by rectangle, slot order inside one
-    count = torch.zeros(nr * nc, dtype=torch.long, device=dev).index_add_(0, cell, torch.ones_like(cell))
+    cell = _band(rr, R, nr) * nc + _band(cc, C, nc)
+    pcell, order = torch.sort(cell, stable=True)      # blocks by rectangle, slot order inside one
+    bound = torch.searchsorted(pcell, torch.arange(nr * nc + 1, device=dev))     # each rectangle's first position
+    cstart, count = bound[:-1], bound[1:] - bound[:-1]
     parts = _ceil(count, cap)
-    cstart = count.cumsum(0) - count
     band_parts = parts.view(nr, nc).sum(1)
-    units = torch.cat([parts.view(nr, nc), ((band_parts == 0) & with_bias).long().view(nr, 1)], 1).reshape(-1)
+    empty_band = (band_parts == 0) if with_bias else torch.zeros_like(band_parts)
+    units = torch.cat([parts.view(nr, nc), empty_band.view(nr, 1)], 1).reshape(-1)
     ends = units.cumsum(0)
     ustart = ends - units
     t = torch.arange(size, device=dev)
@@ -76,39 +87,45 @@ def tile_rows(meta, with_bias: bool, cap: int, size: int, tiles: tuple[int, int]
     bias_only = used & (j == nc)
     cid = (band * nc + j).clamp(max=nr * nc - 1)
     L, P = count[cid], parts[cid].clamp(min=1)
-    first = cstart[cid] + q * L // P
-    n_in = (q + 1) * L // P - q * L // P
+    qL = q * L
+    fq = qL // P
+    first = cstart[cid] + fq
+    n_in = (qL + L) // P - fq
     # the CTA of each block position: its rectangle's first CTA + the part its place in the rectangle falls in
-    pcell = cell[order]
     w = torch.arange(n, device=dev) - cstart[pcell]
-    owner = ustart[(pcell // nc) * (nc + 1) + pcell % nc] + ((w + 1) * parts[pcell] - 1) // count[pcell].clamp(min=1)
-    a_lo, a_hi = _ranges(owner, rr[order], size)
-    b_lo, b_hi = _ranges(owner, cc[order], size)
+    owner = ustart[pcell + pcell // nc] + ((w + 1) * parts[pcell] - 1) // count[pcell].clamp(min=1)
+    rc = torch.stack([rr, cc], 1)[order]
+    lo_hi = _ranges(owner, rc, size)
+    hi = 1 - lo_hi[:, 2:]                             # one past the largest row and column
     blocks = used & ~bias_only
-    rows = torch.stack([first, n_in, a_lo, a_hi + 1, b_lo, b_hi + 1, torch.zeros_like(t), torch.zeros_like(t)], 1)
-    rows = rows * blocks.long().unsqueeze(1)
-    lo, hi = band * R // nr, (band + 1) * R // nr
+    zero = torch.zeros_like(t)
+    rows = torch.stack([first, n_in, lo_hi[:, 0], hi[:, 0], lo_hi[:, 1], hi[:, 1], zero, zero], 1)
+    rows *= blocks.unsqueeze(1)
     if with_bias:   # a band's first CTA stages and sums the whole band; a band without blocks takes a bias-only CTA
-        band_first = blocks & (t == ustart[band * (nc + 1)])
-        span = torch.stack([lo, hi], 1)
-        rows[:, 2:4] = torch.where(band_first.unsqueeze(1), span, rows[:, 2:4])
-        rows[:, 6:8] = torch.where((band_first | bias_only).unsqueeze(1), span, rows[:, 6:8])
-        rows[:, 2:4] = torch.where(bias_only.unsqueeze(1), span, rows[:, 2:4])
-    return _pack(rows, owner, order, rr[order], cc[order], meta.block)
+        whole = (blocks & (t == ustart[band * (nc + 1)])) | bias_only
+        span = torch.stack([band, band + 1], 1) * R // nr
+        staged = rows.view(size, 2, 4)[:, :, 2:4]     # columns 2:4 (staged rows) and 6:8 (bias rows) at once
+        staged.copy_(torch.where(whole.view(size, 1, 1), span.unsqueeze(1), staged))
+    return _pack(rows, owner, order, rc, meta.block)
 
 
-def _chain(strip: Tensor, cap: int, span: int, size: int) -> Tensor:
-    """Starts of the greedy groups over positions ``0..n-1`` (``strip`` non-decreasing): a group from ``p`` ends at
-    ``min(p + cap, first k with strip[k] >= strip[p] + span)``. ``[size + 1]`` positions, ``n`` past the last."""
-    n, dev = strip.numel(), strip.device
-    nxt = torch.minimum(torch.arange(n, device=dev) + cap, torch.searchsorted(strip, strip + span))
-    jump = F.pad(nxt, (0, 1), value=n)                 # position n leads to itself
-    i = torch.arange(size + 1, device=dev)
-    pos = torch.zeros(size + 1, dtype=torch.long, device=dev)
-    for k in range(max(1, int(size).bit_length())):
-        pos = torch.where((i >> k) & 1 == 1, jump[pos], pos)
-        jump = jump[jump]
-    return pos
+def _chain(s_of: Tensor, cap: int, span: int, size: int, most: int) -> Tensor:
+    """Starts of the greedy groups over positions ``0..n-1`` (``s_of[:n]`` the non-decreasing strip, ``s_of[n]`` past
+    its last value): a group from ``p`` ends at ``min(p + cap, first k with strip[k] >= strip[p] + span)``.
+    ``[size + 1]`` positions, ``n`` past the last; no topology has more than ``most`` groups."""
+    n, dev = s_of.numel() - 1, s_of.device
+    # the next group's start from each position 0..n; position n (s_of[n] + span is past every strip) leads to itself
+    jump = torch.minimum(torch.arange(cap, n + 1 + cap, device=dev), torch.searchsorted(s_of[:n], s_of + span))
+    # pointer doubling on the answer: with jump = next^(2^k), the starts 2^k .. 2^(k+1)-1 are jump of the starts
+    # 0 .. 2^k-1 (written in place: one op a round); 2^k_max >= most + 1 starts, the ones after are all n
+    k_max = max(1, int(min(most, size)).bit_length())
+    pos = torch.zeros(1 << k_max, dtype=torch.long, device=dev)
+    for k in range(k_max):
+        h = 1 << k
+        torch.index_select(jump, 0, pos[:h], out=pos[h:2 * h])
+        if k + 1 < k_max:
+            jump = jump[jump]
+    return pos[:size + 1] if pos.numel() > size else F.pad(pos, (0, size + 1 - pos.numel()), value=n)
 
 
 def strips_most(meta, cap: int, strip_blocks: int) -> int:
@@ -123,68 +140,86 @@ def strips_most(meta, cap: int, strip_blocks: int) -> int:
 def strip_rows(meta, with_bias: bool, cap: int, size: int, strip_blocks: int, x_whole: bool
                ) -> tuple[Tensor, Tensor]:
     """``(cta [size, 8], blk)`` of the "strips" layout (``_dw_rows`` + ``_pack``, zero rows after)."""
-    R, dev, n = meta.grid[0], meta.device, meta.n_blocks
+    (R, C), dev, n, b = meta.grid, meta.device, meta.n_blocks, meta.block
+    pos = torch.arange(n, device=dev)
+    if x_whole:     # dY in strips of block rows: the blocks in CSR order
+        order, rr, cc = pos, meta.row_idx, meta.col_idx
+        strip, s_end = rr, R
+    else:           # X in strips of block columns: the blocks in transpose order
+        order, rr = meta.t_slot, meta.t_row_idx
+        cc = meta.col_idx[order]
+        strip, s_end = cc, C
+    s_of = F.pad(strip, (0, 1), value=s_end)           # the strip of each position; position n: one past the last
+    # at most n // cap groups end at the cap, ceil(s_end / w) at the strip width (their strips >= w apart), and the last
+    chain = _chain(s_of, cap, strip_blocks, size, n // cap + _ceil(s_end, strip_blocks) + 1)
+    starts, ends = chain[:-1], chain[1:]               # groups past the last start and end at n
+    cnt = ends - starts
+    s0, s1 = s_of[starts], s_of[ends - 1] + 1          # s0 = s_end past the last group
+    owner_group = torch.searchsorted(ends, pos, right=True)     # the group of each position
+    rc = torch.stack([rr, cc], 1)
     if x_whole:
-        order, rr, cc = torch.arange(n, device=dev), meta.row_idx.long(), meta.col_idx.long()
-        strip = rr
+        return _strip_rows_dy(meta, with_bias, size, strip_blocks, (order, rc, owner_group),
+                              (chain, cnt, s0, s1))
+    zero = torch.zeros_like(cnt)
+    if n == 0:      # no block (known on the host): one bias-only CTA over all rows, or none
+        rows = torch.zeros(size, 8, dtype=torch.long, device=dev)
+        if with_bias:
+            rows[0, 3] = rows[0, 7] = R
+        return _pack(rows, pos, order, rc, b)
+    real = starts < n                                  # one CTA per group, kept in place; bias rows cut in even bands
+    if with_bias:
+        ng = real.sum().clamp(min=1)
+        bias = torch.arange(0, (size + 1) * R, R, device=dev) // ng
+        blo, bhi = bias[:-1], bias[1:]
     else:
-        order, rr = meta.t_slot.long(), meta.t_row_idx.long()
-        cc = torch.searchsorted(meta.col_ptr[1:].long(), torch.arange(n, device=dev), right=True)
-        strip = cc
-    starts = _chain(strip, cap, strip_blocks, size)[:-1]
-    ends = F.pad(starts, (0, 1), value=n)[1:]
-    real = starts < n
-    n_groups = real.sum()
-    first, cnt = starts.clamp(max=max(n - 1, 0)), (ends - starts) * real
-    s_of = F.pad(strip, (0, 1))
-    s0, s1 = s_of[first] * real, (s_of[(ends - 1).clamp(min=0)] + 1) * real
-    group = torch.arange(size, device=dev)
-    owner_group = torch.searchsorted(ends, torch.arange(n, device=dev), right=True)   # the group of each position
-    if x_whole:
-        return _strip_rows_dy(meta, with_bias, size, strip_blocks, (order, rr, cc, owner_group),
-                              (first, cnt, s0, s1, real), n_groups)
-    one = torch.ones_like(n_groups)
-    ng = torch.maximum(n_groups, one)
-    blo, bhi = (group * R // ng, (group + 1) * R // ng) if with_bias else (group * 0, group * 0)
-    keep = (group < ng) & ((cnt > 0) | (bhi > blo))
-    rows = torch.stack([first * real, cnt, group * 0, group * 0 + R, s0, s1, blo, bhi], 1)
-    rank = keep.long().cumsum(0) - 1                 # kept rows move up, in order (the others to a spare row)
-    out = rows.new_zeros(size + 1, 8).index_copy_(0, torch.where(keep, rank, size), rows)[:size]
-    return _pack(out, rank[owner_group], order, rr, cc, meta.block)
+        blo = bhi = zero
+    rows = torch.stack([starts, cnt, zero, torch.full_like(zero, R), s0, s1, blo, bhi], 1)
+    blk = _blocks(order, rc, rows[owner_group, 2:5:2], b)
+    rows[:, 2:].mul_(b)
+    rows[:, 5].sub_(rows[:, 4])                        # b_hi -> b_len
+    out = torch.empty(rows.shape, dtype=torch.int32, device=dev)
+    torch.mul(rows, real.unsqueeze(1), out=out)        # zero rows past the last group
+    return out, blk
 
 
-def _strip_rows_dy(meta, with_bias, size, w, blocks, groups, n_groups):
+def _strip_rows_dy(meta, with_bias, size, w, blocks, groups):
     """The "strips" rows where dY is cut in strips of block rows: bias-only CTAs fill each gap before a group (when
-    its strip with the gap would span more than ``w`` rows) and after the last group, in pieces of ``w`` rows."""
-    (order, rr, cc, owner_group), (first, cnt, s0, s1, real) = blocks, groups
-    R, C = meta.grid
-    dev = s0.device
-    g = torch.arange(size, device=dev)
-    last = real & (g == n_groups - 1)
-    lo0 = F.pad(s1, (1, 0))[:-1]                      # each group starts where the one before it ended
-    gap = real & (s1 - torch.minimum(lo0, s0) > w) & (lo0 < s0)
-    n_gap = torch.where(gap, _ceil(s0 - lo0, w), 0) if with_bias else torch.zeros_like(g)
-    lo = torch.where(gap, s0, lo0)
-    hi = torch.where(last & (R - torch.minimum(lo, s0) <= w), R, s1)
-    end = torch.where(n_groups > 0, (hi * last).sum(), 0)        # where the last group's bias range ends
-    n_tail = _ceil(R - end, w) if with_bias else end * 0
-    units = torch.cat([(n_gap + 1) * real, n_tail.view(1)])
+    its strip with the gap would span more than ``w`` rows) and after the last group, in pieces of ``w`` rows.
+
+    Group ``g`` takes ``units[g]`` rows: its gap pieces, then its own CTA. The pieces after the last group are
+    the "tail" unit at ``g = n_groups`` (a group with no CTA of its own, its strip starting at ``s0 = R``)."""
+    (order, rc, owner_group), (chain, cnt, s0, s1) = blocks, groups
+    (R, C), b, n = meta.grid, meta.block, meta.n_blocks
+    # real[g]: g is a group; edge[g]: g-1 is a group, g is not (the tail); edge[g + 1]: g is the last group
+    flags = F.pad(chain < n, (1, 0), value=True)
+    edge = flags[:-1] ^ flags[1:]
+    real, tail, last = flags[1:-1], edge[:-1], edge[1:]
+    p = F.pad(s1, (1, 0))[:-1]                        # each group starts where the one before it ended
+    gap = s1 - p > w                                  # (then p < s0: a group's strip spans at most w rows)
+    lo = torch.where(gap, s0, p)
+    a_lo = torch.minimum(lo, s0)
+    hi = s1.masked_fill(last & (a_lo >= R - w), R)   # the last group takes the rows after it if they fit
+    start = F.pad(hi, (1, 0))[:-1]                    # where the pieces start: p, or the last group's hi at the tail
+    zero = torch.zeros_like(cnt)
+    n_piece = _ceil(s0 - start, w) * (gap | tail) if with_bias else zero
+    units = n_piece + real
     ends = units.cumsum(0)
-    t = g
-    unit = torch.searchsorted(ends, t, right=True).clamp(max=size)
+    t = torch.arange(size, device=s0.device)
+    u = torch.searchsorted(ends[:-1], t, right=True)   # the group of each row (rows past the last: group size-1)
     used = t < ends[-1]
-    unit_c = unit.clamp(max=size - 1)
-    q = t - (ends - units)[unit]
-    is_tail = unit == size
-    own = ~is_tail & (q == n_gap[unit_c])             # the group's own CTA follows its gap pieces
-    piece_lo = torch.where(is_tail, end + q * w, lo0[unit_c] + q * w)
-    piece_hi = torch.minimum(piece_lo + w, torch.where(is_tail, torch.full_like(t, R), s0[unit_c]))
-    u = unit_c
-    own_row = torch.stack([first[u], cnt[u], torch.minimum(lo[u], s0[u]), torch.maximum(hi[u], s1[u]),
-                           t * 0, t * 0 + C, lo[u], hi[u]], 1)
-    if not with_bias:
-        own_row[:, 6] = own_row[:, 7] = own_row[:, 2]
-    piece = torch.stack([t * 0, t * 0, piece_lo, piece_hi, t * 0, t * 0, piece_lo, piece_hi], 1)
-    rows = torch.where(own.unsqueeze(1), own_row, piece) * used.long().unsqueeze(1)
-    owner = (ends - units)[owner_group] + n_gap[owner_group]
-    return _pack(rows, owner, order, rr, cc, meta.block)
+    bias = (lo, hi) if with_bias else (a_lo, a_lo)
+    # per group: its own CTA's row (columns 2..7 and the pieces' range in elements), its first row, its pieces
+    table = torch.stack([chain[:-1], cnt, a_lo, hi, zero, torch.full_like(zero, C), *bias, start, s0,
+                         ends - units, n_piece], 1)
+    blk = _blocks(order, rc, table[owner_group, 2:5:2], b)
+    table[:, 2:10].mul_(b)
+    row = table[u]
+    q = t - row[:, 10]                                # the row's place in its group's units
+    piece_lo = row[:, 8] + q * (w * b)
+    piece_hi = torch.minimum(piece_lo + w * b, row[:, 9])
+    piece = torch.stack([zero, zero, piece_lo, piece_hi, zero, zero, piece_lo, piece_hi], 1)
+    rows = torch.where((q == row[:, 11]).unsqueeze(1), row[:, :8], piece)   # the own CTA follows the pieces
+    rows[:, 3].sub_(rows[:, 2])                       # a_hi -> a_len
+    out = torch.empty(rows.shape, dtype=torch.int32, device=rows.device)
+    torch.mul(rows, used.unsqueeze(1), out=out)       # zero rows past the last
+    return out, blk

@@ -70,16 +70,22 @@ class BlockSparseMeta:
     t_row_idx: Tensor
     t_slot: Tensor
     _groups: dict = field(default_factory=dict, repr=False)
+    # Only on the transient metadata that rewrite_ builds (never on one that is kept, whose tensors may change
+    # under it): int64 twins of its index arrays and one arange, so that the lists refilled from it cast and
+    # count nothing again (:meth:`as_long`, :meth:`_arange`).
+    _scratch: dict = field(default_factory=dict, repr=False)
 
     TENSORS: ClassVar[tuple[str, ...]] = ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_row_idx", "t_slot")
 
     @classmethod
     def from_mask(cls, mask: Tensor, block: int | tuple[int, int] | BlockShape,
-                  n_blocks: int | None = None) -> BlockSparseMeta:
+                  n_blocks: int | None = None, *, keep_scratch: bool = False) -> BlockSparseMeta:
         """Build the metadata from a bool block mask ``[O/br, I/bc]`` (on the mask's device). ``block`` is an
         edge, a ``(rows, cols)`` pair, or anything with ``rows`` and ``cols`` (``sparsetrain.sparsity.Block``).
         ``n_blocks``: the mask's active count where the caller knows it; then every size is known on the host and
-        the build waits for nothing on a GPU (it is not checked: a wrong count builds wrong lists)."""
+        the build waits for nothing on a GPU (it is not checked: a wrong count builds wrong lists).
+        ``keep_scratch``: keep the int64 arrays of the build on the result (:attr:`_scratch`; :meth:`rewrite_`'s
+        transient metadata only)."""
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
             raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
         if mask.dim() != 2:
@@ -87,15 +93,21 @@ class BlockSparseMeta:
         br, bc = block_shape(block)
         R, C = mask.shape
         n = int(mask.sum()) if n_blocks is None else int(n_blocks)
-        flat = mask.reshape(-1)
-        pos = active_positions(flat, n)                        # row-major order = slot order
-        t_pos = active_positions(mask.t().reshape(-1), n)      # column-major: per column, rows ascending
-        t_rows, t_cols = t_pos % R, t_pos // R
-        slot_of = flat.long().cumsum(0) - 1
+        pos = active_positions(mask.reshape(-1), n)   # row-major order = slot order
+        rows, cols = pos // C, pos % C
+        # the transpose order (per column, rows ascending) is the slots stably sorted by column, as slots ascend
+        # by row: the sort gives each entry's slot and, as its values, its column
+        t_col, t_slot = torch.sort(cols, stable=True)
+        # one range for both pointer arrays, long enough for the entry lists a rewrite refills (see _arange)
+        steps = torch.arange(n + max(R, C) + 1, device=mask.device)
         i32 = torch.int32
-        return cls(R * br, C * bc, br, bc, n,
-                   F.pad(mask.sum(1).cumsum(0), (1, 0)).to(i32), (pos % C).to(i32), (pos // C).to(i32),
-                   F.pad(mask.sum(0).cumsum(0), (1, 0)).to(i32), t_rows.to(i32), slot_of[t_rows * C + t_cols].to(i32))
+        row_idx = rows.to(i32)
+        meta = cls(R * br, C * bc, br, bc, n,
+                   torch.searchsorted(rows, steps[:R + 1], out_int32=True), cols.to(i32), row_idx,
+                   torch.searchsorted(t_col, steps[:C + 1], out_int32=True), row_idx[t_slot], t_slot.to(i32))
+        if keep_scratch:
+            meta._scratch = {"row_idx": rows, "col_idx": cols, "t_col": t_col, "arange": steps}
+        return meta
 
     def rewrite_(self, mask: Tensor) -> bool:
         """Install the topology of ``mask`` (a bool block mask with this one's grid and active count) in place:
@@ -109,8 +121,10 @@ class BlockSparseMeta:
         count: a GPU rewrite waits for nothing, and the mask's count is checked only on the CPU (on a GPU the
         caller keeps it)."""
         mask = mask.to(self.device)
+        # new never leaves here: the int64 arrays of its build serve the refills below
         new = BlockSparseMeta.from_mask(mask, (self.block_rows, self.block_cols),
-                                        n_blocks=None if mask.device.type == "cpu" else self.n_blocks)
+                                        n_blocks=None if mask.device.type == "cpu" else self.n_blocks,
+                                        keep_scratch=True)
         if new.grid != self.grid or new.n_blocks != self.n_blocks:
             raise ValueError(f"rewrite_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the new "
                              f"mask has grid {new.grid} and {new.n_blocks}")
@@ -163,10 +177,32 @@ class BlockSparseMeta:
 
     def with_tensors(self, **tensors: Tensor) -> BlockSparseMeta:
         """Same topology, index tensors replaced (e.g. after ``module.to(device)``); caches are dropped."""
-        return replace(self, **tensors, _groups={})
+        return replace(self, **tensors, _groups={}, _scratch={})
 
     def to(self, device: torch.device | str) -> BlockSparseMeta:
         return self.with_tensors(**{k: getattr(self, k).to(device) for k in self.TENSORS})
+
+    def as_long(self, name: str) -> Tensor:
+        """An index array as int64 (for indexing): ``name`` one of :attr:`TENSORS`, or ``"t_col"``, the block
+        column of each entry of the transpose lists. Kept from the build on a rewrite's transient metadata."""
+        kept = self._scratch.get(name)
+        if kept is not None:
+            return kept
+        if name == "t_col":
+            return torch.searchsorted(self.col_ptr[1:].long(), self._arange(self.n_blocks), right=True)
+        return getattr(self, name).long()
+
+    def _arange(self, size: int, dtype: torch.dtype = torch.long) -> Tensor:
+        """``torch.arange(size)`` on this metadata's device; on a rewrite's transient metadata a view of the range
+        its build made (one per dtype for every list it refills, where that one is long enough)."""
+        steps = self._scratch.get("arange")
+        if steps is None or steps.numel() < size:
+            return torch.arange(size, dtype=dtype, device=self.device)
+        if dtype != steps.dtype:
+            if ("arange", dtype) not in self._scratch:
+                self._scratch[("arange", dtype)] = steps.to(dtype)
+            steps = self._scratch[("arange", dtype)]
+        return steps[:size]
 
     def padded_entries(self, forward: bool, group_k: int, fixed: bool = False
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -179,31 +215,26 @@ class BlockSparseMeta:
         Cached per ``(forward, group_k, fixed)``."""
         key = ("dds", forward, group_k, fixed)
         if key not in self._groups:
+            i32, n = torch.int32, self.n_blocks
+            # per entry in list order: its output block (int64, an index), column block and slot (int32)
             if forward:
-                ptr, kidx = self.row_ptr.long(), self.col_idx.long()
-                slot = torch.arange(self.n_blocks, device=self.device)
+                ptr, out_of, kidx, slot = self.row_ptr, self.as_long("row_idx"), self.col_idx, self._arange(n, i32)
             else:
-                ptr, kidx, slot = self.col_ptr.long(), self.t_row_idx.long(), self.t_slot.long()
+                ptr, out_of, kidx, slot = self.col_ptr, self.as_long("t_col"), self.t_row_idx, self.t_slot
+            ptr, kidx, slot = ptr.to(i32), kidx.to(i32), slot.to(i32)   # (no-ops for this class's int32 arrays)
             n_out = ptr.numel() - 1
-            counts = ptr[1:] - ptr[:-1]
-            padded = ((counts + group_k - 1) // group_k).clamp(min=1) * group_k
-            pptr = F.pad(padded.cumsum(0), (1, 0))
-            if fixed:   # every size from the grid and the count: no host sync; the tail's out_block is n_out
-                p = torch.arange(self.n_blocks + n_out * group_k, device=self.device)
-                out_block = torch.searchsorted(pptr[1:], p, right=True)
-            else:
-                out_block = torch.repeat_interleave(torch.arange(n_out, device=self.device), padded)
-                p = torch.arange(out_block.numel(), device=self.device)
-            pos = p - pptr[out_block]
-            real = pos < F.pad(counts, (0, 1))[out_block]
-            src = (ptr[out_block] + pos).clamp(max=max(self.n_blocks - 1, 0))
-            if self.n_blocks == 0:
-                pk, ps = torch.zeros_like(pos), torch.full_like(pos, -1)
-            else:
-                pk = torch.where(real, kidx[src], 0)
-                ps = torch.where(real, slot[src], -1)
-            i32 = torch.int32
-            self._groups[key] = (pptr.to(i32), pk.to(i32), ps.to(i32), out_block.to(i32))
+            padded = (ptr[1:] - ptr[:-1]).clamp(min=1)   # ceil(max(count, 1) / group_k) * group_k
+            if group_k > 1:
+                padded = (padded + (group_k - 1)).div(group_k, rounding_mode="floor").mul(group_k)
+            pptr = F.pad(padded.cumsum(0, dtype=i32), (1, 0))
+            # fixed: every size from the grid and the count, no host sync; the tail's out_block is n_out
+            total = n + n_out * group_k if fixed else int(pptr[-1])
+            # each entry moves from ptr[o] + i to pptr[o] + i; the padding keeps kidx 0 and slot -1
+            dest = (pptr - ptr)[out_of] + self._arange(n)
+            pk = torch.zeros(total, dtype=i32, device=self.device).scatter_(0, dest, kidx)
+            ps = torch.full((total,), -1, dtype=i32, device=self.device).scatter_(0, dest, slot)
+            out_block = torch.searchsorted(pptr[1:], self._arange(total, i32), right=True, out_int32=True)
+            self._groups[key] = (pptr, pk, ps, out_block)
         return self._groups[key]
 
     def dw_groups_used(self, group: int) -> int:
@@ -231,11 +262,12 @@ class BlockSparseMeta:
             ends = ng.cumsum(0)
             if fixed:
                 total = R + self.n_blocks // group
-                grow = torch.searchsorted(ends, torch.arange(total, device=self.device), right=True)
+                q = self._arange(total)
+                grow = torch.searchsorted(ends, q, right=True)
             else:
                 total = int(ends[-1])
-                grow = torch.repeat_interleave(torch.arange(R, device=self.device), ng)
-            q = torch.arange(total, device=self.device)
+                grow = torch.repeat_interleave(self._arange(R), ng)
+                q = self._arange(total)
             pad = grow >= R                          # fixed lists: the groups past the last one with work
             grow = grow.clamp(max=R - 1)
             chunk = q - (ends - ng)[grow]
@@ -251,13 +283,9 @@ class BlockSparseMeta:
 
 def active_positions(flat: Tensor, n: int) -> Tensor:
     """Positions of the ``n`` True entries of a flat bool tensor, ascending (int64), computed in tensors of sizes
-    known on the host: no host sync on a GPU, unlike ``nonzero``. Each True entry's running count is its place
-    (entries past ``n``, and the False ones, go to a spare place that is dropped)."""
-    place = flat.long().cumsum(0) - 1
-    place = torch.where(flat & (place < n), place, n)
-    out = torch.zeros(n + 1, dtype=torch.long, device=flat.device)
-    out.scatter_(0, place, torch.arange(flat.numel(), device=flat.device))
-    return out[:n]
+    known on the host: no host sync on a GPU, unlike ``nonzero``: one stable sort puts the True entries first, in
+    their order. (Where ``flat`` holds more than ``n``, the first ``n``; fewer, False positions follow.)"""
+    return torch.sort(flat, descending=True, stable=True).indices[:n]
 
 
 def _kind(key) -> str:
@@ -274,11 +302,15 @@ def _copy_into(copies: list[tuple[Tensor, Tensor]]) -> None:
     for (device, dtype, local), pairs in by_kind.items():
         dsts = [dst for dst, _ in pairs]
         if local:
-            parts = [src.to(dtype).view(dst.shape) for dst, src in pairs]
+            parts = [_shaped(src.to(dtype), dst.shape) for dst, src in pairs]
         else:
             flat = torch.cat([src.reshape(-1).to("cpu", dtype) for _, src in pairs]).to(device, non_blocking=True)
-            parts = [part.view(dst.shape) for part, dst in zip(flat.split([d.numel() for d in dsts]), dsts)]
+            parts = [_shaped(part, dst.shape) for part, dst in zip(flat.split([d.numel() for d in dsts]), dsts)]
         torch._foreach_copy_(dsts, parts)
+
+
+def _shaped(t: Tensor, shape: torch.Size) -> Tensor:
+    return t if t.shape == shape else t.view(shape)   # (a view of the same shape would be a dispatched op)
 
 
 def same_builder(build):
@@ -326,7 +358,7 @@ REFILL: dict[str, object] = {
     "dw": lambda new, key, value: (same_builder(BlockSparseMeta.dw_groups)(new, key, value)
                                    if key[-1] is True else None),
     "dw_used": keep_as_is,
-    "block_index": lambda new, key, value: [(value[0], new.row_idx.long()), (value[1], new.col_idx.long())],
+    "block_index": lambda new, key, value: [(value[0], new.as_long("row_idx")), (value[1], new.as_long("col_idx"))],
     "plans": _stable_plans,
     "calls": _stable_plans,
 }
