@@ -20,7 +20,8 @@ def test_each_arm_composes_validates_and_shares_the_studys_settings(arm):
     cfg = compose(["recipe=time_to_quality", f"ttq_arm={arm}"])
     spec = build_run(cfg)
     assert spec.train_args.recipe == "time_to_quality"
-    size = "large" if arm.startswith("wide_") else arm.split("_")[1] if arm.startswith("dense_") else "base"
+    sizes = {"wide": "large", "dense": arm.split("_")[-1], "small": "small"}   # dense_small, dense_mini, ...
+    size = sizes.get(arm.split("_")[0], "base") if "_" in arm else "base"
     assert (cfg.model.size, cfg.data.source, cfg.trainer.max_steps, cfg.optim.warmup_steps) == \
         (size, "english_large", 1000, 300)
     assert cfg.model.fused_qkv and not cfg.model.fp32_residual            # every arm runs the speed settings
