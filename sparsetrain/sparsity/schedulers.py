@@ -308,18 +308,24 @@ class PruneRegrow(SparsityScheduler):
     def prepare_updates(self) -> bool:
         """Capture the graphed update (:meth:`GraphedUpdate.prepare`) once the layers' kernel plans exist, so that
         the first update replays instead of capturing; True when it did."""
-        if self._graphed is None and not self.switched and self.layers:
+        if self.switched or not self.layers:
+            return False
+        graphed = self._graph_update()
+        return bool(graphed) and graphed.prepare()
+
+    def _graph_update(self) -> GraphedUpdate | bool:
+        """The graphed update, decided once the layers' kernel plans exist (at start-up or the first update);
+        False where the layers must update one by one."""
+        if self._graphed is None:
             self._graphed = GraphedUpdate.for_scheduler(self) or False
-        return bool(self._graphed) and not self.switched and self._graphed.prepare()
+        return self._graphed
 
     def _update(self, step: int) -> dict[str, Any] | None:
         if not self.is_update_step(step):
             return None
         frac = self.drop_fn(step)
         grads = self._reduced_grads() if self.policy.needs_grad else {}
-        if self._graphed is None:   # decided at the first update, once the layers' kernel plans exist
-            self._graphed = GraphedUpdate.for_scheduler(self) or False
-        if self._graphed and self._graphed.run(step, frac, grads):
+        if self._graph_update() and self._graphed.run(step, frac, grads):
             n = self._graphed.last_count
             return {"event": "mask_update", "pruned": n, "regrown": n, "drop_fraction": frac}
         pruned = regrown = 0
