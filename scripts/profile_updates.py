@@ -4,9 +4,10 @@
 time, and the host functions that take the most time.
 
     python scripts/profile_updates.py [--model base|mini] [--block 16] [--batch 256] [--seq 128] [--out FILE.json]
-        [--streams 1,8]
+        [--streams 1,8] [--together 1,0]
 
 ``--streams``: the parallel branches of the captured update (``GraphedUpdate.STREAMS``), one measurement each.
+``--together``: 1, layers of one shape updated together over their stack (``GraphedUpdate.BATCH``); 0, one by one.
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def measure(policy, a) -> dict:
             (update_ms if rec else step_ms).append(((t1 - t0) * 1e3, (t2 - t1) * 1e3))
     step_med = sorted(s for s, _ in step_ms)[len(step_ms) // 2]
     upd_med = sorted(u for _, u in update_ms)[len(update_ms) // 2]
-    return {"policy": type(policy).__name__, "streams": GraphedUpdate.STREAMS, "layers": len(sched.layers), "step_ms": step_med,
+    return {"policy": type(policy).__name__, "streams": GraphedUpdate.STREAMS, "together": GraphedUpdate.BATCH,
+            "layers": len(sched.layers), "step_ms": step_med,
             "update_ms": upd_med, "update_in_steps": upd_med / step_med, **detail}
 
 
@@ -101,19 +103,21 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--out", default=None, help="append the rows to this JSON-lines file")
     p.add_argument("--streams", default=str(GraphedUpdate.STREAMS), help="comma list of branch counts to compare")
+    p.add_argument("--together", default="1", help="comma list of 1 (same-shape layers together) / 0 (one by one)")
     a = p.parse_args()
     rows = []
-    for streams in (int(s) for s in a.streams.split(",")):
-        GraphedUpdate.STREAMS = streams
-        for policy in (SET(), RigL()):
-            rows.append(measure(policy, a))
-            torch.cuda.empty_cache()
+    for together in (bool(int(s)) for s in a.together.split(",")):
+        for streams in (int(s) for s in a.streams.split(",")):
+            GraphedUpdate.STREAMS, GraphedUpdate.BATCH = streams, together
+            for policy in (SET(), RigL()):
+                rows.append(measure(policy, a))
+                torch.cuda.empty_cache()
     print(f"\nBERT-{a.model}, {a.batch}x{a.seq} tokens, 90% sparse {a.block}x{a.block} blocks, format=block, "
           f"{torch.cuda.get_device_name()}")
-    print(f"{'policy':<6} {'streams':>7} {'layers':>6} {'step ms':>8} {'update ms':>10} {'= steps':>8} {'syncs':>6} {'copies':>7} "
+    print(f"{'policy':<6} {'together':>8} {'streams':>7} {'layers':>6} {'step ms':>8} {'update ms':>10} {'= steps':>8} {'syncs':>6} {'copies':>7} "
           f"{'launches':>9} {'GPU kernel ms':>14}")
     for r in rows:
-        print(f"{r['policy']:<6} {r['streams']:>7} {r['layers']:>6} {r['step_ms']:>8.2f} {r['update_ms']:>10.2f} "
+        print(f"{r['policy']:<6} {str(r['together']):>8} {r['streams']:>7} {r['layers']:>6} {r['step_ms']:>8.2f} {r['update_ms']:>10.2f} "
               f"{r['update_in_steps']:>8.2f} {r.get('syncs', 0):>6} {r.get('copies', 0):>7} {r.get('launches', 0):>9} "
               f"{r.get('kernel_ms', 0):>14.3f}")
     for r in rows[:2]:

@@ -190,6 +190,12 @@ class SparseLinear(nn.Module):
         (:func:`settle_regrown_moments`)."""
         settle_regrown_moments(optimizer, self.weight_parameter(), self.storage.active_in_parameter(self))
 
+    @staticmethod
+    def settle_moments_of(layers: list[SparseLinear], optimizer: torch.optim.Optimizer | None, moved: Tensor) -> None:
+        """:meth:`settle_regrown_moments` of same-shaped ``layers`` whose weights are active everywhere in their
+        Parameter (the block format), where ``moved [L]`` is True (:func:`settle_regrown_moments_all`)."""
+        settle_regrown_moments_all(optimizer, [m.weight_parameter() for m in layers], moved)
+
     def set_mask(self, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Rewrite the topology (see :mod:`sparsetrain.nn.formats` for what happens to weights/moments)."""
         if tuple(new_mask.shape) != tuple(self.mask.shape):
@@ -328,6 +334,30 @@ def _settle_second_moment(optimizer, param: Tensor, fill, mean_of) -> None:
         return
     with torch.no_grad():
         full = whole(v)
-        source = mean_of(full)
-        mean = (full.float() * source).sum() / source.sum().clamp(min=1)
-        write_whole(v, torch.where(fill(full) & (full == 0), mean.to(full.dtype), full))
+        write_whole(v, _settled(full, fill(full), mean_of(full)))
+
+
+def _settled(full: Tensor, fill: Tensor, source: Tensor, dims: tuple[int, ...] | None = None) -> Tensor:
+    """``full`` with its zeros where ``fill`` is True replaced by the mean of its entries where ``source`` is (over
+    ``dims``, the rest kept apart; None: over all)."""
+    dims = tuple(range(full.dim())) if dims is None else dims
+    mean = (full.float() * source).sum(dims, keepdim=True) / source.sum(dims, keepdim=True).clamp(min=1)
+    return torch.where(fill & (full == 0), mean.to(full.dtype), full)
+
+
+def settle_regrown_moments_all(optimizer: torch.optim.Optimizer | None, params: list[Tensor], moved: Tensor) -> None:
+    """:func:`settle_regrown_moments` (active everywhere) of same-shaped ``params`` where ``moved`` (a bool tensor
+    ``[L]`` on their device) is True: those whose blocks an update moved; the others stay as they are, as the
+    per-layer update leaves a layer it did not change. Whole moments are settled in one pass over their stack, each
+    with its own mean; no host sync either way."""
+    states = [optimizer.state.get(p) if optimizer is not None else None for p in params]
+    vs = [s.get("exp_avg_sq") if s else None for s in states]
+    if not all(torch.is_tensor(v) and v.shape == p.shape and not is_sharded(v) for v, p in zip(vs, params)):
+        for p, m in zip(params, moved.unbind(0)):
+            _settle_second_moment(optimizer, p, fill=lambda v, m=m: m.expand(v.shape), mean_of=lambda v: v != 0)
+        return
+    with torch.no_grad():
+        full = torch.stack(vs)
+        fill = moved.view(-1, *([1] * (full.dim() - 1))).expand(full.shape)
+        done = _settled(full, fill, full != 0, tuple(range(1, full.dim())))
+        torch._foreach_copy_(vs, list(done.unbind(0)))

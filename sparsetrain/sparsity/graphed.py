@@ -24,6 +24,8 @@ The same sequence runs eagerly on any device (CPU tests compare it with the per-
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -33,12 +35,20 @@ from sparsetrain.sparsity.policies import SET, RigL
 
 
 def ranked(scores: Tensor, k: Tensor) -> Tensor:
-    """Bool mask of ``scores``' shape, True at its ``k`` largest entries (``k`` a 0-d device tensor), ties broken
-    by index: the blocks :func:`~sparsetrain.sparsity.layout.topk_mask` picks, with shapes that do not follow k."""
-    flat = scores.reshape(-1)
-    order = torch.argsort(flat, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(0, order, torch.arange(flat.numel(), device=flat.device))
-    return (rank < k).view(scores.shape)
+    """Bool mask of ``scores``' shape, True at its ``k`` largest entries (``scores [R, C]`` with ``k`` a 0-d device
+    tensor, or a stack ``[L, R, C]`` with ``k [L]``, each grid on its own), ties broken by index: the blocks
+    :func:`~sparsetrain.sparsity.layout.topk_mask` picks, with shapes that do not follow k."""
+    flat = scores.flatten(-2)
+    order = torch.argsort(flat, dim=-1, descending=True, stable=True)
+    steps = torch.arange(flat.shape[-1], device=flat.device).expand_as(order)
+    rank = torch.empty_like(order).scatter_(-1, order, steps)
+    return (rank < k.unsqueeze(-1)).view(scores.shape)
+
+
+class _Group(NamedTuple):
+    """Layers whose update runs as one sequence over their stack (equal ``graph_batch_key``)."""
+    index: list[int]       # their places in GraphedUpdate.layers
+    rows: Tensor           # the same, on the device (their drop counts in GraphedUpdate.k)
 
 
 def why_not_graphed(sched) -> str | None:
@@ -57,13 +67,16 @@ class GraphedUpdate:
     whose layers run as ``streams`` parallel branches."""
 
     STREAMS = 8   # parallel branches of the captured update
+    BATCH = True  # layers of one shape in one sequence over their stack (False: one by one)
 
-    def __init__(self, sched, streams: int | None = None) -> None:
+    def __init__(self, sched, streams: int | None = None, batch: bool | None = None) -> None:
         streams = self.STREAMS if streams is None else streams
         if not isinstance(streams, int) or streams < 1:
             raise ValueError(f"streams must be a positive int, got {streams!r}")
         self.sched = sched
         self.streams = streams
+        self.batch = self.BATCH if batch is None else bool(batch)
+        self._units: list[int | _Group] = []
         self.layers = list(sched.layers.values())
         self.grids = [grid_shape((m.out_features, m.in_features), m.block) for m in self.layers]
         sizes = [r * c for r, c in self.grids]
@@ -103,32 +116,71 @@ class GraphedUpdate:
             self.done.record()
 
     # -- the sequence -----------------------------------------------------------------------------------
+    def _plan(self) -> None:
+        """The units of the sequence: a layer alone, or a :class:`_Group` of layers of equal ``graph_batch_key``
+        (their format updates them together: ``set_masks``), in the order of their first layer."""
+        opt, units = self.sched.optimizer, {}
+        for i, layer in enumerate(self.layers):
+            storage = layer.storage
+            key = storage.graph_batch_key(layer, opt) if self.batch else None
+            if key is None or storage.active_in_parameter(layer) is not None:
+                key = ("alone", i)
+            units.setdefault(key, []).append(i)
+        self._units = [idx[0] if len(idx) == 1 else _Group(idx, torch.tensor(idx, device=self.k.device))
+                       for idx in units.values()]
+
     def _body(self) -> None:
-        for i in range(len(self.layers)):
-            self._layer(i)
+        for unit in self._units:
+            self._unit(unit)
+
+    def _unit(self, unit: int | _Group) -> None:
+        self._layer(unit) if isinstance(unit, int) else self._group(unit)
+
+    def _drop_scores(self, i: int) -> Tensor:
+        layer = self.layers[i]
+        w = layer.dense_weight()
+        return to_scores_grid(self.sched.policy.drop_scores(w, None, layer.mask), w.shape, layer.block)
+
+    def _choose(self, mask: Tensor, drop: Tensor, grow: Tensor, k: Tensor) -> Tensor:
+        """The new mask: the ``k`` weakest active blocks dropped, the ``k`` best-scored inactive ones grown (one grid
+        or a stack of grids with ``k [L]``)."""
+        dropped = ranked(-drop.float().masked_fill(~mask, float("inf")), k)
+        grown = ranked(grow.masked_fill(mask, float("-inf")), k)
+        return (mask & ~dropped) | grown
 
     def _layer(self, i: int) -> None:
         """Layer ``i``'s update: drop the k weakest active blocks, grow the k best-scored inactive ones."""
         opt, layer = self.sched.optimizer, self.layers[i]
-        mask = layer.mask
-        w = layer.dense_weight()
-        drop = to_scores_grid(self.sched.policy.drop_scores(w, None, mask), w.shape, layer.block)
-        dropped = ranked(-drop.float().masked_fill(~mask, float("inf")), self.k[i])
-        grown = ranked(self.grow_parts[i].masked_fill(mask, float("-inf")), self.k[i])
-        layer.set_mask((mask & ~dropped) | grown, opt)
+        layer.set_mask(self._choose(layer.mask, self._drop_scores(i), self.grow_parts[i], self.k[i]), opt)
+        self._settle([layer], self.k[i:i + 1])
+
+    def _group(self, g: _Group) -> None:
+        """The update of a group's layers over their stack: each op once for all of them (the drop scores are the
+        policy's, per layer)."""
+        opt, layers = self.sched.optimizer, [self.layers[i] for i in g.index]
+        masks = torch.stack([m.mask for m in layers])
+        drop = torch.stack([self._drop_scores(i) for i in g.index])
+        grow = torch.stack([self.grow_parts[i] for i in g.index])
+        k = self.k.index_select(0, g.rows)
+        layers[0].storage.set_masks(layers, self._choose(masks, drop, grow, k), opt)
+        self._settle(layers, k)
+
+    def _settle(self, layers: list, k: Tensor) -> None:
+        """Regrown moments: the mean of the others' where the scheduler asks for it, in the layers whose blocks
+        moved (``k > 0``; the per-layer update leaves a layer with nothing to move as it is)."""
         if self.sched.regrow_moments == "mean":
-            layer.settle_regrown_moments(opt)
+            type(layers[0]).settle_moments_of(layers, self.sched.optimizer, k > 0)
 
     def _branches(self) -> None:
-        """The sequence with layer ``i`` on side stream ``i % streams``, forked from and joined back into the
+        """The sequence with unit ``u`` on side stream ``u % streams``, forked from and joined back into the
         current stream (inside a capture: parallel branches of the graph)."""
         main = torch.cuda.current_stream()
-        sides = [torch.cuda.Stream() for _ in range(min(self.streams, len(self.layers)))]
+        sides = [torch.cuda.Stream() for _ in range(min(self.streams, len(self._units)))]
         for side in sides:
             side.wait_stream(main)
-        for i in range(len(self.layers)):
-            with torch.cuda.stream(sides[i % len(sides)]):
-                self._layer(i)
+        for u, unit in enumerate(self._units):
+            with torch.cuda.stream(sides[u % len(sides)]):
+                self._unit(unit)
         for side in sides:
             main.wait_stream(side)
 
@@ -157,10 +209,12 @@ class GraphedUpdate:
         for layer in self.layers:
             layer.dense_grad = None
         if self.graph is not None and keys == self.keys:
-            self.graph.replay()
+            self.graph.replay()    # (writes only what the layers keep: the keys stay)
             self.replays += 1
-        elif not (self.on_cuda and self._capture()):
+            return True
+        if not (self.on_cuda and self._capture()):
             self.graph = None
+            self._plan()
             self._body()
             self.eager += 1
         self.keys = self._keys()   # what the next update must find to replay (the first one may add entries)
@@ -181,6 +235,7 @@ class GraphedUpdate:
     def eager_update(self, step: int, frac: float, grads: dict[str, Tensor]) -> None:
         """The same sequence run eagerly, on any device (what the graph replays; tests compare it)."""
         self._fill(step, self.counts(frac), grads)
+        self._plan()
         self._body()
 
     def _keys(self) -> list:
@@ -197,6 +252,7 @@ class GraphedUpdate:
             return False
         for layer in self.layers:   # what a layer builds and keeps on first use is built outside the capture
             layer.dense_weight()
+        self._plan()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:

@@ -329,7 +329,8 @@ class Trainer:
         if record is not None:
             self.run_step.topology_changed()                     # kept only if written in place
             self.train_flops += flop_count.step_flops(self.flops, is_update_step=True, dense_grad=self.needs_grad)
-            self.flops = self.flop_report()                     # density may have changed
+            if not (record.get("event") == "mask_update" and record.get("pruned", -1) == record.get("regrown")):
+                self.flops = self.flop_report()                 # density changed (prune and regrow keep it)
             self.rebuilt_at = self.step if record.get("event") == "phase_switch" else self.rebuilt_at
         else:
             self.train_flops += flop_count.step_flops(self.flops, is_update_step=False, dense_grad=False)

@@ -14,10 +14,12 @@ from sparsetrain.sparsity.policies import SET, RigL
 
 
 def _setup(policy: str, seed: int = 0, regrow_moments: str = "zero"):
-    """Three block-sparse linears of two shapes after two Adam steps, a PruneRegrow scheduler attached, and the
-    all-position gradient of each layer (what RigL scores) from one more backward."""
+    """Four block-sparse linears of two shapes after two Adam steps, a PruneRegrow scheduler attached, and the
+    all-position gradient of each layer (what RigL scores) from one more backward. The second and the fourth keep
+    the same tables (the first, whose input needs no gradient, keeps no input-gradient lists)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 96))
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.GELU(), nn.Linear(64, 96), nn.GELU(),
+                          nn.Linear(96, 64))
     sparsify(model, density=0.25, block=16, format="block", seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     sched = PruneRegrow(policy=policy, drop_fraction=0.5, drop_schedule="cosine", interval=2, seed=seed,
@@ -41,8 +43,12 @@ def _state(model, opt):
     return out
 
 
-@pytest.mark.parametrize("policy,moments", [("set", "zero"), ("rigl", "zero"), ("set", "mean"), ("rigl", "mean")])
-def test_the_graphed_sequence_gives_the_per_layer_update_exactly(policy, moments):
+@pytest.mark.parametrize("policy,moments,batch", [("set", "zero", True), ("rigl", "zero", True),
+                                                  ("set", "mean", True), ("rigl", "mean", True),
+                                                  ("set", "mean", False), ("rigl", "zero", False)])
+def test_the_graphed_sequence_gives_the_per_layer_update_exactly(policy, moments, batch):
+    """The sequence, with two layers of one shape and tables updated together over their stack (batch) or each alone,
+    gives the per-layer update's masks, weights and Adam moments bit for bit."""
     model_a, opt_a, sched_a = _setup(policy, regrow_moments=moments)
     model_b, opt_b, sched_b = _setup(policy, regrow_moments=moments)
     assert why_not_graphed(sched_b) is not None   # on the CPU the scheduler updates layer by layer
@@ -50,8 +56,9 @@ def test_the_graphed_sequence_gives_the_per_layer_update_exactly(policy, moments
         record = sched_a.step(step)               # the per-layer path
         frac = sched_b.drop_fn(step)
         grads = sched_b._reduced_grads() if sched_b.policy.needs_grad else {}
-        graphed = GraphedUpdate(sched_b)
+        graphed = GraphedUpdate(sched_b, batch=batch)
         graphed.eager_update(step, frac, grads)
+        assert [len(u.index) for u in graphed._units if not isinstance(u, int)] == ([2] if batch else [])
         sched_b.step_count = step
         assert record["pruned"] == sum(graphed.counts(frac)) > 0
         a, b = _state(model_a, opt_a), _state(model_b, opt_b)
@@ -85,23 +92,27 @@ def test_only_built_in_policies_and_graph_safe_layers_are_graphed():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy,dw,streams,prepare", [
-    ("set", "triton", 8, False), ("rigl", "triton", 8, True), ("set", "cuda", 8, True), ("rigl", "cuda", 8, False),
-    ("set", "cuda", 1, False), ("rigl", "cuda", 2, True)])
-def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, prepare, monkeypatch):
+@pytest.mark.parametrize("policy,dw,streams,prepare,batch", [
+    ("set", "triton", 8, False, True), ("rigl", "triton", 8, True, True), ("set", "cuda", 8, True, True),
+    ("rigl", "cuda", 8, False, True), ("set", "cuda", 1, False, True), ("rigl", "cuda", 2, True, True),
+    ("set", "cuda", 8, True, False)])
+def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, prepare, batch, monkeypatch):
     """On the GPU a PruneRegrow scheduler updates from one CUDA graph, captured at the first update and replayed
     at every one; after each, the masks, values and Adam moments equal those of the same scheduler updating layer
     by layer, and the layers compute the new topology, with the Triton or the CUDA weight-gradient kernel forced
     (its groups, or its CTA table, rebuilt in the graph), whether the graph runs the layers as one chain
-    (streams=1) or as parallel branches (2: two layers share a branch; 8: one branch each), and whether the graph
-    is captured at the first update or ahead of it (`prepare_updates` after step 1: the first update replays)."""
+    (streams=1) or as parallel branches (2: two units share a branch; 8: one branch each), whether the second and
+    fourth layers (one shape, the same tables) are updated together (batch) or each alone, and whether the graph is captured at the first
+    update or ahead of it (`prepare_updates` after step 1: the first update replays)."""
     monkeypatch.setattr(GraphedUpdate, "STREAMS", streams)
+    monkeypatch.setattr(GraphedUpdate, "BATCH", batch)
     from sparsetrain.kernels.blocksparse import _cuda, gather
     from sparsetrain.kernels.blocksparse.testing import forced_config
 
     def setup():
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 512))
+        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 512),
+                              nn.GELU(), nn.Linear(512, 256))
         sparsify(model, density=0.1, block=16, format="block", seed=0)
         model = model.to("cuda", torch.bfloat16)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -131,7 +142,7 @@ def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, pr
                         assert torch.equal(v, ob.state[pb][k]), (step, k)
     graphed = runs[1][2]._graphed
     assert graphed and graphed.eager == 0 and graphed.captures == 1 and graphed.replays == 6 + prepare
-    assert graphed.streams == streams
+    assert graphed.streams == streams and len(graphed._units) == (3 if batch else 4)
     assert all(m.graph_update_key() is not None for m in runs[1][2].layers.values())   # every table on the GPU
     for layer in runs[1][2].layers.values():
         xi = torch.randn(64, layer.in_features, device="cuda", dtype=torch.bfloat16)
@@ -174,6 +185,8 @@ def test_the_sequence_with_no_block_to_move_changes_nothing(policy, moments):
     before, kept = _state(model_b, opt_b), _kept(sched_b)
     graphed.k.zero_()
     graphed.grow.uniform_()                       # scores are there, but no block may grow
+    graphed._plan()
+    assert len(graphed._units) == 3               # two layers of one shape and tables together, two alone
     graphed._body()
     after = _state(model_b, opt_b)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -44,19 +44,14 @@ def entry_info(meta, forward: bool) -> Tensor:
     if key not in meta._groups:
         _, kidx, slot, oblk = meta.padded_entries(forward, 1, fixed=True)
         b, E = meta.block, oblk.numel()
-        # each column written in place (int32 throughout: no stack, no casts)
-        info = torch.empty(E, 4, dtype=torch.int32, device=oblk.device)
-        offset, column, out_column, last = info.unbind(1)
-        torch.mul(slot, b * b, out=offset)
+        # int32 throughout, out of place (the same build runs batched over layers of one shape, under vmap)
+        offset = slot * (b * b)
         if meta.n_blocks * b * b <= 2**31:   # no offset overflows: a padding entry's -b*b clamps to -1
-            offset.clamp_(min=-1)
+            offset = offset.clamp(min=-1)
         else:
-            offset.masked_fill_(slot < 0, -1)
-        torch.mul(kidx, b, out=column)
-        torch.mul(oblk, b, out=out_column)
-        if E:
-            torch.ne(oblk[1:], oblk[:-1], out=last[:-1])
-            last[-1].fill_(1)
+            offset = offset.masked_fill(slot < 0, -1)
+        last = F.pad(oblk[1:] != oblk[:-1], (0, 1), value=True) if E else oblk.new_zeros(0, dtype=torch.bool)
+        info = torch.stack([offset, kidx * b, oblk * b, last.to(torch.int32)], 1)
         meta._groups[key] = info
     return meta._groups[key]
 
@@ -78,8 +73,7 @@ def warp_bounds(pptr: Tensor, n_ranges: int, steps: Tensor | None = None) -> Ten
         steps = torch.arange(n_ranges + 1, device=pptr.device, dtype=torch.long)
     # no host sync: the total stays on the device. The targets are worked out in int64 and stored in pptr's dtype
     # (searchsorted then compares like with like); each is at most pptr[-1], so every index is in range.
-    targets = torch.empty(n_ranges + 1, dtype=pptr.dtype, device=pptr.device)
-    torch.div(steps * pptr[-1], n_ranges, rounding_mode="floor", out=targets)
+    targets = (steps * pptr[-1]).div(n_ranges, rounding_mode="floor").to(pptr.dtype)
     return pptr[torch.searchsorted(pptr, targets)].to(torch.int32)
 
 
@@ -112,7 +106,7 @@ def ks_table(meta, forward: bool, ob: int, kp: int) -> tuple[Tensor, Tensor, Ten
 def _count(idx: Tensor, size: int) -> Tensor:
     """``bincount(idx, minlength=size)`` for ``idx < size``, in a tensor of a size known on the host (a CUDA
     ``bincount`` reads the largest index back first: a host sync)."""
-    return torch.zeros(size, dtype=torch.long, device=idx.device).index_add_(0, idx, torch.ones_like(idx))
+    return torch.zeros(size, dtype=torch.long, device=idx.device).index_add(0, idx, torch.ones_like(idx))
 
 
 def dw_table(meta, with_bias: bool, cap: int, layout: DwLayout = "strips") -> tuple[Tensor, Tensor, int, int]:

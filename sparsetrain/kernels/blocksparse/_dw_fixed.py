@@ -36,7 +36,8 @@ def _ranges(owner: Tensor, rc: Tensor, size: int) -> Tensor:
     largest row and column negated (0 where none): one ``amin`` over both."""
     out = torch.zeros(size, 4, dtype=rc.dtype, device=rc.device)
     if rc.numel():
-        out.scatter_reduce_(0, owner.unsqueeze(1).expand(-1, 4), torch.cat([rc, -rc], 1), "amin", include_self=False)
+        out = out.scatter_reduce(0, owner.unsqueeze(1).expand(-1, 4), torch.cat([rc, -rc], 1), "amin",
+                                 include_self=False)
     return out
 
 
@@ -45,10 +46,8 @@ def _blocks(order: Tensor, rc: Tensor, lo: Tensor, b: int) -> Tensor:
     (elements) from ``lo [n, 2]``, the least staged row and column (blocks) of its CTA, then 0."""
     if order.numel() == 0:
         return torch.zeros(1, 4, dtype=torch.int32, device=order.device)
-    blk = torch.zeros(order.numel(), 4, dtype=torch.int32, device=order.device)
-    blk[:, 0] = order
-    torch.mul(rc - lo, b, out=blk[:, 1:3])            # written (and cast) in place
-    return blk
+    off = (rc - lo) * b
+    return F.pad(torch.cat([order.unsqueeze(1).to(off.dtype), off], 1), (0, 1)).to(torch.int32)
 
 
 def _pack(rows: Tensor, owner: Tensor, order: Tensor, rc: Tensor, b: int) -> tuple[Tensor, Tensor]:
@@ -57,10 +56,8 @@ def _pack(rows: Tensor, owner: Tensor, order: Tensor, rc: Tensor, b: int) -> tup
     ``owner[k]``."""
     blk = _blocks(order, rc, rows[owner, 2:5:2], b)
     rows[:, 3:6:2].sub_(rows[:, 2:5:2])                # a_hi, b_hi -> a_len, b_len
-    out = torch.empty(rows.shape, dtype=torch.int32, device=rows.device)
-    out[:, :2] = rows[:, :2]                           # first and count stay in blocks, the rest in elements
-    torch.mul(rows[:, 2:], b, out=out[:, 2:])
-    return out, blk
+    # first and count stay in blocks, the rest in elements
+    return torch.cat([rows[:, :2], rows[:, 2:] * b], 1).to(torch.int32), blk
 
 
 def tile_rows(meta, with_bias: bool, cap: int, size: int, tiles: tuple[int, int]) -> tuple[Tensor, Tensor]:
@@ -117,12 +114,11 @@ def _chain(s_of: Tensor, cap: int, span: int, size: int, most: int) -> Tensor:
     # the next group's start from each position 0..n; position n (s_of[n] + span is past every strip) leads to itself
     jump = torch.minimum(torch.arange(cap, n + 1 + cap, device=dev), torch.searchsorted(s_of[:n], s_of + span))
     # pointer doubling on the answer: with jump = next^(2^k), the starts 2^k .. 2^(k+1)-1 are jump of the starts
-    # 0 .. 2^k-1 (written in place: one op a round); 2^k_max >= most + 1 starts, the ones after are all n
+    # 0 .. 2^k-1 (each round appends them); 2^k_max >= most + 1 starts, the ones after are all n
     k_max = max(1, int(min(most, size)).bit_length())
-    pos = torch.zeros(1 << k_max, dtype=torch.long, device=dev)
+    pos = torch.zeros(1, dtype=torch.long, device=dev)
     for k in range(k_max):
-        h = 1 << k
-        torch.index_select(jump, 0, pos[:h], out=pos[h:2 * h])
+        pos = torch.cat([pos, jump[pos]])
         if k + 1 < k_max:
             jump = jump[jump]
     return pos[:size + 1] if pos.numel() > size else F.pad(pos, (0, size + 1 - pos.numel()), value=n)
@@ -177,9 +173,7 @@ def strip_rows(meta, with_bias: bool, cap: int, size: int, strip_blocks: int, x_
     blk = _blocks(order, rc, rows[owner_group, 2:5:2], b)
     rows[:, 2:].mul_(b)
     rows[:, 5].sub_(rows[:, 4])                        # b_hi -> b_len
-    out = torch.empty(rows.shape, dtype=torch.int32, device=dev)
-    torch.mul(rows, real.unsqueeze(1), out=out)        # zero rows past the last group
-    return out, blk
+    return (rows * real.unsqueeze(1)).to(torch.int32), blk   # zero rows past the last group
 
 
 def _strip_rows_dy(meta, with_bias, size, w, blocks, groups):
@@ -220,6 +214,4 @@ def _strip_rows_dy(meta, with_bias, size, w, blocks, groups):
     piece = torch.stack([zero, zero, piece_lo, piece_hi, zero, zero, piece_lo, piece_hi], 1)
     rows = torch.where((q == row[:, 11]).unsqueeze(1), row[:, :8], piece)   # the own CTA follows the pieces
     rows[:, 3].sub_(rows[:, 2])                       # a_hi -> a_len
-    out = torch.empty(rows.shape, dtype=torch.int32, device=rows.device)
-    torch.mul(rows, used.unsqueeze(1), out=out)       # zero rows past the last
-    return out, blk
+    return (rows * used.unsqueeze(1)).to(torch.int32), blk   # zero rows past the last

@@ -21,6 +21,7 @@ and what was cached goes with the old one.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Protocol
 
@@ -74,6 +75,8 @@ class BlockSparseMeta:
     # under it): int64 twins of its index arrays and one arange, so that the lists refilled from it cast and
     # count nothing again (:meth:`as_long`, :meth:`_arange`).
     _scratch: dict = field(default_factory=dict, repr=False)
+    # rewrites_in_place's answer and the kept entries it was given for (by identity; a dict's entries too)
+    _fits: tuple = field(default=(), repr=False)
 
     TENSORS: ClassVar[tuple[str, ...]] = ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_row_idx", "t_slot")
 
@@ -128,14 +131,8 @@ class BlockSparseMeta:
         if new.grid != self.grid or new.n_blocks != self.n_blocks:
             raise ValueError(f"rewrite_ keeps the grid {self.grid} and {self.n_blocks} active blocks; the new "
                              f"mask has grid {new.grid} and {new.n_blocks}")
-        copies = [(getattr(self, n), getattr(new, n)) for n in self.TENSORS]
-        for key, value in self._groups.items():
-            rule = REFILL.get(_kind(key))
-            pairs = rule(new, key, value) if rule is not None else None
-            if pairs is None:
-                return False
-            copies += pairs
-        if any(dst.shape != src.shape for dst, src in copies):
+        copies = self._refills(new)
+        if copies is None or any(dst.shape != src.shape for dst, src in copies):
             return False
         with torch.no_grad():
             _copy_into(copies)
@@ -143,12 +140,41 @@ class BlockSparseMeta:
             hook(self)
         return True
 
+    def _refills(self, new: BlockSparseMeta) -> list[tuple[Tensor, Tensor]] | None:
+        """``(kept tensor, its content for new's topology)`` of the index tensors and every kept entry (its
+        :data:`REFILL` rule), or None where an entry cannot follow."""
+        copies = [(getattr(self, n), getattr(new, n)) for n in self.TENSORS]
+        for key, value in self._groups.items():
+            rule = REFILL.get(_kind(key))
+            pairs = rule(new, key, value) if rule is not None else None
+            if pairs is None:
+                return None
+            copies += pairs
+        return copies
+
+    def kept_tensors(self) -> list[Tensor]:
+        """The index tensors, then the tensors of every kept entry in its order (what :meth:`rewrite_` may write)."""
+        out = [getattr(self, n) for n in self.TENSORS]
+        for value in self._groups.values():
+            out += [t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, Tensor)]
+        return out
+
+    def batch_key(self) -> tuple:
+        """Metadata with equal keys keep the same entries in tensors of the same shapes and dtypes: one
+        :func:`rewrite_all_` builds their new topologies together."""
+        return (self.grid, self.block_rows, self.block_cols, self.n_blocks, str(self.device), tuple(self._groups),
+                tuple((tuple(t.shape), t.dtype) for t in self.kept_tensors()))
+
     def rewrites_in_place(self) -> bool:
         """Whether :meth:`rewrite_` refills every kept entry for any topology of this grid and active count: every
         kind has a rule, and its :data:`FITS` condition holds (the lists are the fixed-size ones, the plans are
-        stable, the tables have room)."""
-        return all(_kind(key) in REFILL and FITS.get(_kind(key), _always)(self, key, value)
-                   for key, value in self._groups.items())
+        stable, the tables have room). Asked again for the same entries, it answers from the last time."""
+        seen = tuple((key, id(value), tuple(map(id, value.values())) if isinstance(value, dict) else ())
+                     for key, value in self._groups.items())
+        if not self._fits or self._fits[0] != seen:
+            self._fits = (seen, all(_kind(key) in REFILL and FITS.get(_kind(key), _always)(self, key, value)
+                                    for key, value in self._groups.items()))
+        return self._fits[1]
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -177,7 +203,7 @@ class BlockSparseMeta:
 
     def with_tensors(self, **tensors: Tensor) -> BlockSparseMeta:
         """Same topology, index tensors replaced (e.g. after ``module.to(device)``); caches are dropped."""
-        return replace(self, **tensors, _groups={}, _scratch={})
+        return replace(self, **tensors, _groups={}, _scratch={}, _fits=())
 
     def to(self, device: torch.device | str) -> BlockSparseMeta:
         return self.with_tensors(**{k: getattr(self, k).to(device) for k in self.TENSORS})
@@ -231,8 +257,9 @@ class BlockSparseMeta:
             total = n + n_out * group_k if fixed else int(pptr[-1])
             # each entry moves from ptr[o] + i to pptr[o] + i; the padding keeps kidx 0 and slot -1
             dest = (pptr - ptr)[out_of] + self._arange(n)
-            pk = torch.zeros(total, dtype=i32, device=self.device).scatter_(0, dest, kidx)
-            ps = torch.full((total,), -1, dtype=i32, device=self.device).scatter_(0, dest, slot)
+            # (out of place: the same build runs batched over layers of one shape, under vmap)
+            pk = torch.zeros(total, dtype=i32, device=self.device).scatter(0, dest, kidx)
+            ps = torch.full((total,), -1, dtype=i32, device=self.device).scatter(0, dest, slot)
             out_block = torch.searchsorted(pptr[1:], self._arange(total, i32), right=True, out_int32=True)
             self._groups[key] = (pptr, pk, ps, out_block)
         return self._groups[key]
@@ -282,10 +309,57 @@ class BlockSparseMeta:
 
 
 def active_positions(flat: Tensor, n: int) -> Tensor:
-    """Positions of the ``n`` True entries of a flat bool tensor, ascending (int64), computed in tensors of sizes
-    known on the host: no host sync on a GPU, unlike ``nonzero``: one stable sort puts the True entries first, in
-    their order. (Where ``flat`` holds more than ``n``, the first ``n``; fewer, False positions follow.)"""
-    return torch.sort(flat, descending=True, stable=True).indices[:n]
+    """Positions of the ``n`` True entries of a flat bool tensor (of each row of a ``[L, N]`` one), ascending
+    (int64), computed in tensors of sizes known on the host: no host sync on a GPU, unlike ``nonzero``: one stable
+    sort puts the True entries first, in their order. (Where ``flat`` holds more than ``n``, the first ``n``;
+    fewer, False positions follow.)"""
+    return torch.sort(flat, dim=-1, descending=True, stable=True).indices[..., :n]
+
+
+class _CannotBatch(Exception):
+    pass
+
+
+def rewrite_all_(metas: list[BlockSparseMeta], masks: Tensor) -> bool:
+    """:meth:`~BlockSparseMeta.rewrite_` of ``metas`` (equal :meth:`~BlockSparseMeta.batch_key`) to the block masks
+    ``masks [L, R, C]`` (``masks[i]`` for ``metas[i]``), the new topologies built together: the build runs once
+    under ``torch.func.vmap``, so each of its ops is one kernel for the L layers, and every kept tensor is written
+    in one ``_foreach_copy_``. Each layer ends with exactly the tables its own ``rewrite_`` writes. False where
+    nothing was written (an entry that cannot follow, an op vmap cannot batch): the caller rewrites one by one."""
+    first = metas[0]
+    if any(m.batch_key() != first.batch_key() for m in metas):
+        raise ValueError("rewrite_all_ takes metadata of one batch_key")
+    where: list[int] = []      # per refilled tensor: its place in kept_tensors()
+
+    def build(mask: Tensor) -> list[Tensor]:
+        new = BlockSparseMeta.from_mask(mask, (first.block_rows, first.block_cols), n_blocks=first.n_blocks,
+                                        keep_scratch=True)
+        pairs, kept = first._refills(new), {id(t): j for j, t in enumerate(first.kept_tensors())}
+        if pairs is None or any(id(dst) not in kept or dst.shape != src.shape for dst, src in pairs):
+            raise _CannotBatch
+        where[:] = [kept[id(dst)] for dst, _ in pairs]
+        return [src for _, src in pairs]
+
+    fallback = torch._C._functorch._is_vmap_fallback_enabled()
+    torch._C._functorch._set_vmap_fallback_enabled(False)   # an op without a batch rule: an error, not a loop
+    try:
+        with warnings.catch_warnings():   # searchsorted's shared (unbatched) values are an expanded view
+            warnings.filterwarnings("ignore", message=".*non-contiguous.*", category=UserWarning)
+            built = torch.func.vmap(build)(masks.to(first.device))
+    except (_CannotBatch, RuntimeError):
+        return False
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(fallback)
+    copies = []
+    for i, meta in enumerate(metas):
+        kept = meta.kept_tensors()
+        copies += [(kept[j], src[i]) for j, src in zip(where, built)]
+    with torch.no_grad():
+        _copy_into(copies)
+    for meta in metas:
+        for hook in REWRITTEN:
+            hook(meta)
+    return True
 
 
 def _kind(key) -> str:

@@ -102,6 +102,16 @@ class WeightFormat:
         None (not graph-safe)."""
         return None
 
+    def graph_batch_key(self, layer: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple | None:
+        """Layers with equal keys (not None) can take one :meth:`set_masks` call. Default: None (one by one)."""
+        return None
+
+    def set_masks(self, layers: list[nn.Module], new_masks: Tensor,
+                  optimizer: torch.optim.Optimizer | None = None) -> None:
+        """:meth:`set_mask` of each of ``layers`` to ``new_masks[i]``; a format may do them together."""
+        for layer, mask in zip(layers, new_masks.unbind(0)):
+            self.set_mask(layer, mask, optimizer)
+
     def n_active(self, layer: nn.Module) -> int:
         """Active blocks of the layer's mask (a format that keeps the count on the host answers without a sync)."""
         return int(layer.mask.sum().item())

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear, register_meta
-from sparsetrain.kernels.blocksparse.meta import active_positions
+from sparsetrain.kernels.blocksparse.meta import active_positions, rewrite_all_
 from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
 from sparsetrain.nn.formats.base import (
     FormatCaps,
@@ -52,12 +52,12 @@ def runs_block_ops(m: nn.Module) -> bool:
 
 
 def moved_slots(old: Tensor, new: Tensor, n: int) -> Tensor:
-    """Per slot of the new topology (bool block masks ``old`` and ``new`` of ``n`` active blocks each), the slot of
-    the same block in the old one, or -1 for a block that was not active: ``[n]`` int64, computed on the masks'
-    device in tensors of sizes known from ``n`` (no host sync)."""
-    old_flat, new_flat = old.reshape(-1), new.reshape(-1)
+    """Per slot of the new topology (bool block masks ``old`` and ``new`` of ``n`` active blocks each, or ``[L, R,
+    C]`` stacks of them), the slot of the same block in the old one, or -1 for a block that was not active: ``[n]``
+    (``[L, n]``) int64, computed on the masks' device in tensors of sizes known from ``n`` (no host sync)."""
+    old_flat, new_flat = old.flatten(-2), new.flatten(-2)
     pos = active_positions(new_flat, n)
-    return torch.where(old_flat[pos], old_flat.long().cumsum(0)[pos] - 1, -1)
+    return torch.where(old_flat.gather(-1, pos), old_flat.long().cumsum(-1).gather(-1, pos) - 1, -1)
 
 
 def _move_blocks(t: Tensor, index: Tensor, fresh: Tensor) -> None:
@@ -68,6 +68,15 @@ def _move_blocks(t: Tensor, index: Tensor, fresh: Tensor) -> None:
     moved = full.index_select(0, index)
     moved.masked_fill_(fresh.view(-1, *([1] * (full.dim() - 1))), 0)
     write_whole(t, moved)
+
+
+def _move_stacked(ts: list[Tensor], index: Tensor, fresh: Tensor) -> None:
+    """:func:`_move_blocks` of the same-shaped ``ts`` at once: ``index`` and ``fresh`` flat over ``stack(ts)``'s
+    first two dimensions (layer, slot)."""
+    full = torch.stack(ts)
+    moved = full.flatten(0, 1).index_select(0, index)
+    moved.masked_fill_(fresh.view(-1, *([1] * (full.dim() - 2))), 0)
+    torch._foreach_copy_(ts, list(moved.view(full.shape).unbind(0)))
 
 
 def _current(bufs: dict, meta: BlockSparseMeta) -> bool:
@@ -188,6 +197,42 @@ class BlockFormat(WeightFormat):
             layer.mask.copy_(new_mask)
         if not meta.rewrite_(new_mask):   # in place where every kept table can follow
             self._install_meta(layer, self._build_meta(layer, new_mask, dev))
+
+    def set_masks(self, layers: list[SparseLinear], new_masks: Tensor, optimizer=None) -> None:
+        """:meth:`set_mask` of ``layers`` (equal :meth:`graph_batch_key`) to ``new_masks [L, R, C]`` together, each
+        step once for all of them: the block moves of the values and of each moment in one gather, the masks and
+        every kept table in one write each (the tables built together:
+        :func:`~sparsetrain.kernels.blocksparse.meta.rewrite_all_`). Each layer ends as its own set_mask leaves it."""
+        metas = [self.meta(m) for m in layers]
+        n, dev, L = metas[0].n_blocks, layers[0].mask.device, len(layers)
+        new_masks = new_masks.to(dev, torch.bool)
+        if dev.type == "cpu":
+            if (new_masks.sum((1, 2)) != n).any():
+                raise ValueError(f"new_masks must keep the block format's {n} active blocks in every layer")
+        else:
+            torch._assert_async((new_masks.sum((1, 2)) == n).all(), f"new_masks must keep {n} active blocks")
+        src = moved_slots(torch.stack([m.mask for m in layers]), new_masks, n)
+        index = (src.clamp(min=0) + torch.arange(0, L * n, n, device=dev).unsqueeze(1)).view(-1)
+        fresh = (src < 0).view(-1)
+        with torch.no_grad():
+            _move_stacked([m.values.data for m in layers], index, fresh)
+            states = [optimizer.state.get(m.values, {}) if optimizer is not None else {} for m in layers]
+            for key, v in states[0].items():
+                if torch.is_tensor(v) and v.shape == layers[0].values.shape:
+                    _move_stacked([s[key] for s in states], index, fresh)
+            torch._foreach_copy_([m.mask for m in layers], list(new_masks.unbind(0)))
+        if not rewrite_all_(metas, new_masks):
+            for layer, meta, mask in zip(layers, metas, new_masks.unbind(0)):
+                if not meta.rewrite_(mask):
+                    self._install_meta(layer, self._build_meta(layer, mask, dev))
+
+    def graph_batch_key(self, layer, optimizer=None):
+        """Layers of equal keys (and a :meth:`graph_update_key`) can take one :meth:`set_masks`: the same grid,
+        block, active count, kept tables (:meth:`~sparsetrain.kernels.blocksparse.BlockSparseMeta.batch_key`),
+        values and moments (shapes and dtypes)."""
+        state = optimizer.state.get(layer.values, {}) if optimizer is not None else {}
+        return (type(self), self.meta(layer).batch_key(), tuple(layer.values.shape), layer.values.dtype,
+                tuple((k, tuple(v.shape), v.dtype) for k, v in state.items() if torch.is_tensor(v)))
 
     def dense_layout(self, layer, t):
         return values_to_dense(whole(t), self.meta(layer))
