@@ -52,7 +52,9 @@ def _counts(prof) -> dict:
     events = prof.key_averages()
     count = {e.key: e.count for e in events}
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") if events else 0
-    return {"syncs": sum(count.get(k, 0) for k in SYNCS),
+    host = sorted((e for e in events if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)[:8]
+    return {"host_events": "\n".join(f"{e.self_cpu_time_total:9.0f} us  x{e.count:<4} {e.key[:70]}" for e in host),
+            "syncs": sum(count.get(k, 0) for k in SYNCS),
             "copies": sum(v for k, v in count.items() if k.startswith("cudaMemcpy")),
             "launches": sum(count.get(k, 0) for k in LAUNCHES),
             "kernel_ms": kernel_us / 1e3}
@@ -121,11 +123,13 @@ def main() -> None:
               f"{r['update_in_steps']:>8.2f} {r.get('syncs', 0):>6} {r.get('copies', 0):>7} {r.get('launches', 0):>9} "
               f"{r.get('kernel_ms', 0):>14.3f}")
     for r in rows[:2]:
+        print(f"== {r['policy']}: host events by own time in one update (torch profiler)\n{r.get('host_events', '')}")
         print(f"== {r['policy']}: host functions by own time in one update\n{r.get('host_top', '')[-2500:]}")
     if a.out:
         with open(a.out, "a") as f:
             for r in rows:
-                f.write(json.dumps({**vars(a), **{k: v for k, v in r.items() if k != "host_top"}}) + "\n")
+                f.write(json.dumps({**vars(a), **{k: v for k, v in r.items() if k not in ("host_top", "host_events")}})
+                        + "\n")
 
 
 if __name__ == "__main__":
