@@ -86,6 +86,8 @@ class GraphedUpdate:
         self.grow = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         self.grow_parts = [p.view(g) for p, g in zip(self.grow.split(sizes), self.grids)]
         pin = self.on_cuda
+        self.ok = torch.ones((), dtype=torch.bool, device=device)   # the gate: False makes every drop count 0
+        self.k_now = self.k                                         # the counts the sequence reads (gated)
         self.k_host = torch.zeros(len(self.layers), dtype=torch.long, pin_memory=pin)
         self.grow_host = (torch.zeros(sum(sizes), dtype=torch.float32, pin_memory=pin)
                           if type(sched.policy) is SET else None)
@@ -97,9 +99,10 @@ class GraphedUpdate:
         self.replays = self.captures = self.eager = self.failed = 0
 
     # -- inputs ------------------------------------------------------------------------------------------
-    def _fill(self, step: int, counts: list[int], grads: dict[str, Tensor]) -> None:
+    def _fill(self, step: int, counts: list[int], grads: dict[str, Tensor], gate: Tensor | None = None) -> None:
         if self.done is not None:
             self.done.synchronize()          # the previous update's copies out of pinned memory are done
+        self.ok.copy_(gate) if gate is not None else self.ok.fill_(True)
         self.k_host.copy_(torch.tensor(counts, dtype=torch.long))
         sched = self.sched
         if self.grow_host is not None:       # SET: the generator's numbers, as criteria.random draws them
@@ -130,6 +133,7 @@ class GraphedUpdate:
                        for idx in units.values()]
 
     def _body(self) -> None:
+        self.k_now = self.k * self.ok
         for unit in self._units:
             self._unit(unit)
 
@@ -151,8 +155,8 @@ class GraphedUpdate:
     def _layer(self, i: int) -> None:
         """Layer ``i``'s update: drop the k weakest active blocks, grow the k best-scored inactive ones."""
         opt, layer = self.sched.optimizer, self.layers[i]
-        layer.set_mask(self._choose(layer.mask, self._drop_scores(i), self.grow_parts[i], self.k[i]), opt)
-        self._settle([layer], self.k[i:i + 1])
+        layer.set_mask(self._choose(layer.mask, self._drop_scores(i), self.grow_parts[i], self.k_now[i]), opt)
+        self._settle([layer], self.k_now[i:i + 1])
 
     def _group(self, g: _Group) -> None:
         """The update of a group's layers over their stack: each op once for all of them (the drop scores are the
@@ -161,7 +165,7 @@ class GraphedUpdate:
         masks = torch.stack([m.mask for m in layers])
         drop = torch.stack([self._drop_scores(i) for i in g.index])
         grow = torch.stack([self.grow_parts[i] for i in g.index])
-        k = self.k.index_select(0, g.rows)
+        k = self.k_now.index_select(0, g.rows)
         layers[0].storage.set_masks(layers, self._choose(masks, drop, grow, k), opt)
         self._settle(layers, k)
 
@@ -175,6 +179,7 @@ class GraphedUpdate:
         """The sequence with unit ``u`` on side stream ``u % streams``, forked from and joined back into the
         current stream (inside a capture: parallel branches of the graph)."""
         main = torch.cuda.current_stream()
+        self.k_now = self.k * self.ok
         sides = [torch.cuda.Stream() for _ in range(min(self.streams, len(self._units)))]
         for side in sides:
             side.wait_stream(main)
@@ -197,15 +202,16 @@ class GraphedUpdate:
             out.append(max(0, min(int(round(frac * n_active)), n_active, r * c - n_active)))
         return out
 
-    def run(self, step: int, frac: float, grads: dict[str, Tensor]) -> bool:
+    def run(self, step: int, frac: float, grads: dict[str, Tensor], gate: Tensor | None = None) -> bool:
         """The update at ``step`` with drop fraction ``frac``; False (nothing done) where a layer no longer allows
-        it (the caller then updates layer by layer). ``last_count``: the blocks dropped (and grown) in all."""
+        it (the caller then updates layer by layer). ``gate``: a 0-d bool on the device; where False, nothing moves
+        (read in the graph, not on the host). ``last_count``: the blocks dropped (and grown) in all, ungated."""
         keys = self._keys()
         if any(key[0] is None for key in keys):
             return False
         counts = self.counts(frac)
         self.last_count = sum(counts)
-        self._fill(step, counts, grads)
+        self._fill(step, counts, grads, gate)
         for layer in self.layers:
             layer.dense_grad = None
         if self.graph is not None and keys == self.keys:
@@ -232,9 +238,9 @@ class GraphedUpdate:
         self.keys = self._keys() if ok else None
         return ok
 
-    def eager_update(self, step: int, frac: float, grads: dict[str, Tensor]) -> None:
+    def eager_update(self, step: int, frac: float, grads: dict[str, Tensor], gate: Tensor | None = None) -> None:
         """The same sequence run eagerly, on any device (what the graph replays; tests compare it)."""
-        self._fill(step, self.counts(frac), grads)
+        self._fill(step, self.counts(frac), grads, gate)
         self._plan()
         self._body()
 

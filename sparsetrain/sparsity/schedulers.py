@@ -130,6 +130,12 @@ class SparsityScheduler:
         the training step reads may have been replaced. Nothing to build here."""
         return False
 
+    def gate_update(self, step: int, ok: torch.Tensor | None) -> bool:
+        """Let the mask update of ``step`` change masks only where ``ok`` (a 0-d bool on the device: every loss so
+        far finite) holds, without the host reading it. True where the update honours it on the device (the loop
+        then need not check the weights first, a host sync); False: the loop checks before (the default)."""
+        return False
+
     def step(self, step: int | None = None) -> dict[str, Any] | None:
         """Call after optimizer step number ``step`` (1-based). Returns a record when masks changed."""
         self.step_count = self.step_count + 1 if step is None else int(step)
@@ -273,6 +279,7 @@ class PruneRegrow(SparsityScheduler):
         if self.end <= self.start:
             raise ValueError(f"end ({end}) must be after start ({start})")
         self._graphed: GraphedUpdate | bool | None = None
+        self._gate: torch.Tensor | None = None
 
     @property
     def method(self) -> str:
@@ -313,6 +320,13 @@ class PruneRegrow(SparsityScheduler):
         graphed = self._graph_update()
         return bool(graphed) and graphed.prepare()
 
+    def gate_update(self, step: int, ok: torch.Tensor | None) -> bool:
+        """The graphed update, once captured, takes ``ok`` into the graph: a false one makes every drop count 0."""
+        graphed = self._graphed
+        ready = bool(graphed) and graphed.graph is not None and not self.switched and not self._dense_due(step)
+        self._gate = ok if ok is not None and ready else None
+        return self._gate is not None
+
     def _graph_update(self) -> GraphedUpdate | bool:
         """The graphed update, decided once the layers' kernel plans exist (at start-up or the first update);
         False where the layers must update one by one."""
@@ -325,9 +339,12 @@ class PruneRegrow(SparsityScheduler):
             return None
         frac = self.drop_fn(step)
         grads = self._reduced_grads() if self.policy.needs_grad else {}
-        if self._graph_update() and self._graphed.run(step, frac, grads):
+        gate, self._gate = self._gate, None
+        if self._graph_update() and self._graphed.run(step, frac, grads, gate):
             n = self._graphed.last_count
             return {"event": "mask_update", "pruned": n, "regrown": n, "drop_fraction": frac}
+        if gate is not None and not bool(gate):   # (the graph could not run: the gate is read here)
+            return None
         pruned = regrown = 0
         for i, (name, layer) in enumerate(self.layers.items()):
             w, mask = layer.dense_weight(), layer.mask

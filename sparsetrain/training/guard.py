@@ -5,7 +5,10 @@ on the device, with no host sync. The flag is read (one ``.item()``, all-reduced
 steps that synchronise anyway: log, eval, checkpoint and mask-update steps and the last step. A ``.item()``
 on every step would make the host wait for the GPU every step. So a NaN stops the run at most
 ``trainer.log_every`` steps after it appeared, always before a mask update runs on the weights and before a
-checkpoint is written: the good checkpoints stay and the error names the first non-finite step.
+checkpoint is written: the good checkpoints stay and the error names the first non-finite step. A mask update
+that runs on the device (the graphed prune-and-regrow update, one process) reads the flag there instead: on a
+non-finite flag it moves nothing, and its ``metrics.jsonl`` row waits for the next read (dropped if it was gated
+off), so such an update step does not synchronise.
 
 Signals only set a flag. One process stops after the step in progress; several processes agree at the next
 sync point (all must stop at the same step to write one checkpoint). A second signal of the same kind falls
@@ -66,6 +69,7 @@ class Guard:
         self._first_bad = torch.full((), -_NO_STEP, dtype=torch.long, device=device)  # -(first bad step)
         self.signal: int | None = None
         self._previous: dict[int, object] = {}
+        self._held: list[dict] = []
 
     # -- signals --------------------------------------------------------------------------------------
     def __enter__(self) -> Guard:
@@ -93,6 +97,21 @@ class Guard:
         first = (self._first_bad == -_NO_STEP) & ~ok
         # in place: a CUDA graph that captured this step replays into the same tensors
         self._first_bad.copy_(torch.where(first, -self._count, self._first_bad))
+
+    def all_finite(self) -> torch.Tensor:
+        """0-d bool on the device: no non-finite loss or gradient norm so far (what a mask update that runs on the
+        device gates itself on, where the loop does not read the flag before it)."""
+        return self._first_bad == -_NO_STEP
+
+    def hold(self, row: dict) -> None:
+        """Keep the row of a mask update gated on :meth:`all_finite` until the flag is read (:meth:`release`)."""
+        self._held.append(row)
+
+    def release(self, first_bad: int | None) -> list[dict]:
+        """The held rows of updates that ran: those of steps before ``first_bad`` (all where None); the others
+        changed nothing (their gate was false) and are dropped."""
+        rows, self._held = self._held, []
+        return [r for r in rows if first_bad is None or r["step"] < first_bad]
 
     def poll(self) -> tuple[int | None, int | None]:
         """Read the flags (a sync; a collective when there are several processes, so every process must call

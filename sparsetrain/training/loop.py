@@ -12,7 +12,7 @@
                        data, Accelerate, optimizer, the step; ``_restore`` continues a checkpoint
 ``fit``                the loop: ``train_step``, then ``check_finite``, ``update_sparsity``, ``log_window``,
                        ``evaluate``, ``save_checkpoint`` and ``stop_on_signal`` at the steps that call for them
-``finish``             the final masks check, the summary, the plot
+``finish``             the final masks check, the summary (summary.py), the plot
 ``close`` / ``end``    trackers and graphs; then Accelerate's process group and state
 =====================  ==========================================================================================
 
@@ -31,7 +31,6 @@ import torch
 
 from sparsetrain import flops as flop_count
 from sparsetrain.kernels import set_kernel_options
-from sparsetrain.kernels.blocksparse import tuner as blocksparse_tuner
 from sparsetrain.training import checkpoint as ckpt
 from sparsetrain.training import metrics, resume
 from sparsetrain.training.batches import Batches, Prefetcher, count_items, to_device
@@ -59,6 +58,7 @@ from sparsetrain.training.setup import (
 )
 from sparsetrain.training.sharded import whole
 from sparsetrain.training.step import GraphCaptureError, build_train_step, graph_mode
+from sparsetrain.training.summary import run_summary
 from sparsetrain.training.window import Window
 
 __all__ = ["Batches", "RunDirError", "RunStopped", "Trainer", "mask_signature", "train"]
@@ -254,7 +254,8 @@ class Trainer:
         """One optimizer step and what the step count calls for after it."""
         t0 = time.perf_counter()
         loss, items = self.train_step(feed)
-        stop = self.check_finite() if self.sync_point(self.step) else None  # before a mask update can run
+        gated = self.gated_update()
+        stop = self.check_finite() if not gated and self.sync_point(self.step) else None   # before an update runs
         record = self.update_sparsity()
         self.window.add(loss, items * self.accelerator.num_processes)
         dt = time.perf_counter() - t0
@@ -264,7 +265,8 @@ class Trainer:
             self.step_time += dt
         else:
             ranks = compare_masks(self.inner, self.accelerator.num_processes)  # several processes: one all-gather
-            self.log({"step": self.step, **record, "density": self.scheduler.density, **ranks.row})
+            row = {"step": self.step, **record, "density": self.scheduler.density, **ranks.row}
+            self.guard.hold(row) if gated else self.log(row)
             ranks.raise_if_diverged(self.step)             # before the next optimizer step or checkpoint
         args, step = self.args, self.step
         if step % args.log_every == 0 or step == args.max_steps:
@@ -304,10 +306,18 @@ class Trainer:
         self.step += 1
         return loss, items
 
-    def sync_point(self, at: int) -> bool:
-        """Steps that synchronise with the device anyway; the guard reads its flags there (see guard.py)."""
+    def gated_update(self) -> bool:
+        """Whether this step's mask update reads the guard's flag on the device (one process, a step that is no
+        sync point but for the update, a scheduler that can): then the loop does not read it before."""
+        at, sched = self.step, self.scheduler
+        return (self.accelerator.num_processes == 1 and mask_update_due(sched, at)
+                and not self.sync_point(at, gated=True) and sched.gate_update(at, self.guard.all_finite()))
+
+    def sync_point(self, at: int, gated: bool = False) -> bool:
+        """Steps that synchronise with the device anyway; the guard reads its flags there (see guard.py). ``gated``:
+        but for a mask update that may read the flag on the device."""
         args = self.args
-        return (at % args.log_every == 0 or at == args.max_steps or mask_update_due(self.scheduler, at)
+        return (at % args.log_every == 0 or at == args.max_steps or (not gated and mask_update_due(self.scheduler, at))
                 or bool(args.eval_every and at % args.eval_every == 0)
                 or bool(args.checkpoint_every and at % args.checkpoint_every == 0))
 
@@ -315,6 +325,8 @@ class Trainer:
         """Read the guard's flags: raise :class:`NonFiniteLoss` for a non-finite loss or gradient norm since the
         last sync point; return a stop signal the processes agreed on (or None)."""
         first_bad, stop = self.guard.poll()
+        for row in self.guard.release(first_bad):   # mask updates that read the flag on the device
+            self.log(row)
         if first_bad is not None:
             raise NonFiniteLoss(self.stop_message(f"non-finite loss or gradient norm at step {first_bad} (seen at "
                                                   f"step {self.step}); nothing after it was saved"))
@@ -391,6 +403,7 @@ class Trainer:
         """SIGTERM / SIGINT: write a checkpoint of this step and stop with the command that continues the run."""
         import signal
 
+        self.check_finite()   # (one process: rows of gated updates are held until the flag is read)
         path = self.save_checkpoint(self.step)
         again = resume.resume_command(self.run_dir, self.args.overrides)
         raise Interrupted(f"stopped by {signal.Signals(signum).name} after step {self.step}; checkpoint {path} "
@@ -406,30 +419,10 @@ class Trainer:
         self.report.stop_writing()
         final_ranks = compare_masks(self.inner, self.accelerator.num_processes)  # identical masks: None alone
         final_ranks.raise_if_diverged()
-        summary = self.summary(final_ranks.identical)
+        summary = run_summary(self, final_ranks.identical)
         self.report.write_summary(summary)
         self.close()
         return summary
-
-    def summary(self, masks_identical: bool | None) -> dict[str, Any]:
-        """The run's summary.json: what ran, its cost (FLOPs, seconds, rate) and how its steps ran."""
-        acc, main, step = self.accelerator, self.main, self.step
-        rows = metrics.read_metrics(self.run_dir) if main else []   # train_s: start-up windows at the next's rate
-        return {
-            "status": "finished", "method": self.spec.method, "recipe": self.args.recipe,
-            "density": self.scheduler.density, "block": self.spec.block_label if self.scheduler.sparse else "-",
-            "steps": step, "final_eval_loss": self.last_eval["eval_loss"] if self.last_eval else None,
-            "total_train_flops": self.train_flops, "wall_s": self.elapsed,
-            "train_s": metrics.train_seconds(rows, step) if main else None,
-            **(metrics.update_cost_fields(rows, self.rate_key) if main else {}),   # one mask update: s, steps
-            "device": torch.cuda.get_device_name(acc.device) if acc.device.type == "cuda" else "cpu",
-            self.rate_key: metrics.window_rate(self.run_dir, self.rate_key) if main else None,
-            "hook_share_non_update_steps": self.hook_time / self.step_time if self.step_time else None,
-            "processes": acc.num_processes, "ranks_masks_identical": masks_identical,
-            "flops_per_step_dense": self.flops.dense_total, "flops_per_step_sparse": self.flops.sparse_total,
-            "step_mode": "cuda_graph" if self.run_step.graph_mode else "eager", **self.run_step.stats(),
-            "kernel_choices": blocksparse_tuner.choice_counts(),   # tuned block-sparse products per backend
-        }
 
     def close(self) -> None:
         """The report (metrics file, progress bar, tracker); the step's graphs, before the process group goes

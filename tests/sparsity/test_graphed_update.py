@@ -72,6 +72,24 @@ def test_the_graphed_sequence_gives_the_per_layer_update_exactly(policy, moments
             model(x).square().mean().backward()
 
 
+@pytest.mark.parametrize("policy,moments", [("set", "mean"), ("rigl", "zero")])
+def test_a_false_gate_moves_nothing(policy, moments):
+    """The loop's gate (every loss finite so far, read on the device): False leaves masks, weights, moments and every
+    kept table as they were; True gives the ungated update."""
+    model_a, opt_a, sched_a = _setup(policy, regrow_moments=moments)
+    model_b, opt_b, sched_b = _setup(policy, regrow_moments=moments)
+    grads = sched_b._reduced_grads() if sched_b.policy.needs_grad else {}
+    graphed = GraphedUpdate(sched_b)
+    before, kept = _state(model_b, opt_b), _kept(sched_b)
+    graphed.eager_update(4, sched_b.drop_fn(4), grads, gate=torch.tensor(False))
+    after, now = _state(model_b, opt_b), _kept(sched_b)
+    assert all(torch.equal(before[k], after[k]) for k in before) and all(torch.equal(kept[k], now[k]) for k in kept)
+    sched_a.step(4)
+    graphed.eager_update(4, sched_b.drop_fn(4), grads, gate=torch.tensor(True))
+    a, b = _state(model_a, opt_a), _state(model_b, opt_b)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_ranked_picks_the_blocks_topk_mask_picks_ties_by_index():
     gen = torch.Generator().manual_seed(3)
     scores = torch.randint(0, 5, (12, 9), generator=gen).float()     # many ties

@@ -91,6 +91,49 @@ def test_nan_stops_before_the_mask_update_and_keeps_the_good_checkpoint(tmp_path
     assert not (d / "summary.json").exists()
 
 
+def _gate_on_the_device(monkeypatch) -> list[int]:
+    """Make PruneRegrow accept the loop's gate on every update (as the captured graphed update does; on the CPU its
+    layer-by-layer update reads the gate instead); returns the steps at which the guard's flag is read."""
+    from sparsetrain.training.guard import Guard
+
+    def gate_update(self, step, ok):
+        self._gate = ok
+        return ok is not None
+
+    polled, poll = [], Guard.poll
+    monkeypatch.setattr(PruneRegrow, "gate_update", gate_update)
+    monkeypatch.setattr(Guard, "poll", lambda self: (polled.append(int(self._count)), poll(self))[1])
+    return polled
+
+
+def test_a_gated_update_step_does_not_sync_and_its_row_waits_for_the_next_read(tmp_path, monkeypatch):
+    """Where the mask update reads the guard's flag on the device, its step is no sync point: the flag is read only
+    at the checkpoint steps (4, 8) and the last (12); each update's row reaches metrics.jsonl at the next read, in
+    step order, and the run ends with the weights of a run that read the flag before every update."""
+    train(_spec(), tmp_path / "plain")
+    polled = _gate_on_the_device(monkeypatch)
+    train(_spec(), tmp_path / "gated")
+    assert polled == [4, 8, 12]
+    rows = [r for r in read_metrics(tmp_path / "gated") if r.get("event") == "mask_update"]
+    assert [r["step"] for r in rows] == [3, 6, 9] and all(r["pruned"] > 0 for r in rows)
+    assert rows == [r for r in read_metrics(tmp_path / "plain") if r.get("event") == "mask_update"]
+    final = [torch.load(tmp_path / d / "checkpoints/step_00000012" / ckpt.MODEL_FILE, weights_only=True)
+             for d in ("plain", "gated")]
+    assert final[0].keys() == final[1].keys() and all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+def test_a_gated_update_after_a_nan_moves_nothing_and_leaves_no_row(tmp_path, monkeypatch):
+    """The loss of step 6 is NaN and step 6 updates masks with the gate: the update moves nothing, no row is
+    written for it, and the run stops at the next read (step 8) naming step 6, the step-4 checkpoint kept."""
+    _gate_on_the_device(monkeypatch)
+    d, records = tmp_path / "nan", []
+    with pytest.raises(NonFiniteLoss, match="at step 6"):
+        train(_spec(poison_after=5, records=records), d)
+    assert records == [3]
+    assert [r["step"] for r in read_metrics(d) if r.get("event") == "mask_update"] == [3]
+    assert _steps(d) == ["step_00000004"]
+
+
 def test_nan_weights_are_never_checkpointed(tmp_path):
     d = tmp_path / "nanw"   # poisoned inside step 4, whose loss was still finite: the save of step 4 refuses
     with pytest.raises(NonFiniteLoss, match="non-finite weights at step 4"):
