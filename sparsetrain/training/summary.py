@@ -2,19 +2,16 @@
 :class:`~sparsetrain.training.loop.Trainer`."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from sparsetrain.kernels.blocksparse import tuner as blocksparse_tuner
 from sparsetrain.training import metrics
 
-if TYPE_CHECKING:  # pragma: no cover
-    from sparsetrain.training.loop import Trainer
 
-
-def run_summary(trainer: Trainer, masks_identical: bool | None) -> dict[str, Any]:
-    """The run's summary.json: what ran, its cost (FLOPs, seconds, rate) and how its steps ran."""
+def run_summary(trainer: Any, masks_identical: bool | None) -> dict[str, Any]:
+    """The summary of ``trainer`` (the loop's ``Trainer``, after its last step)."""
     acc, main, step = trainer.accelerator, trainer.main, trainer.step
     rows = metrics.read_metrics(trainer.run_dir) if main else []   # train_s: start-up windows at the next's rate
     return {
