@@ -16,9 +16,13 @@ built-in policies (SET, RigL) run that sequence from a CUDA graph:
   calls in its start-up window), else at the first update, and replayed at every update. Whenever what a layer
   keeps changed since the capture (a new launch plan's table, new buffers), the update captures again; where a
   capture fails the update runs eagerly (after two failures, every later one);
-- the layers' sequences are independent (each reads the shared inputs and writes only its own tensors), so the
-  capture puts them on ``streams`` side streams, round robin: the graph holds that many parallel branches, and the
-  GPU overlaps the small kernels of several layers instead of running some ten thousand of them one after another.
+- layers of one shape and kept tables (the format's ``graph_batch_key``: in BERT the attention projections, the
+  FFN ups, the FFN downs) run as one sequence over their stack, each op once for the group (``set_masks``; the
+  kernel tables built once under ``torch.func.vmap``); a layer without such a twin runs alone. The sequences are
+  independent (each reads the shared inputs and writes only its own tensors), so the capture puts them on
+  ``streams`` side streams, round robin: parallel branches of the graph;
+- a ``gate`` (a 0-d bool on the device; the training loop's "every loss finite so far") multiplies every drop
+  count, so an update after a NaN moves nothing without the host reading the flag.
 
 The same sequence runs eagerly on any device (CPU tests compare it with the per-layer path).
 """
@@ -102,7 +106,10 @@ class GraphedUpdate:
     def _fill(self, step: int, counts: list[int], grads: dict[str, Tensor], gate: Tensor | None = None) -> None:
         if self.done is not None:
             self.done.synchronize()          # the previous update's copies out of pinned memory are done
-        self.ok.copy_(gate) if gate is not None else self.ok.fill_(True)
+        if gate is not None:
+            self.ok.copy_(gate)
+        else:
+            self.ok.fill_(True)
         self.k_host.copy_(torch.tensor(counts, dtype=torch.long))
         sched = self.sched
         if self.grow_host is not None:       # SET: the generator's numbers, as criteria.random draws them

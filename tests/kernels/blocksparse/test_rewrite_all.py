@@ -76,6 +76,30 @@ def test_rewrite_all_refuses_what_cannot_follow_and_changes_nothing():
         rewrite_all_(metas, torch.stack([_random_mask((6, 6), 10, gen) for _ in range(2)]))
 
 
+def test_rewrite_all_leaves_to_each_rewrite_what_vmap_cannot_batch(monkeypatch):
+    """A kept table whose rule uses an op with no batch rule (``nonzero``): rewrite_all_ writes nothing and says so
+    (the caller then rewrites one by one), and each rewrite_ still refills it; a real error is not swallowed."""
+    from sparsetrain.kernels.blocksparse import meta as meta_module
+
+    monkeypatch.setitem(meta_module.REFILL, "mine", lambda new, key, value: [
+        (value, torch.nonzero(new.row_ptr >= 0).view(-1)[:value.numel()].to(value.dtype))])
+    gen = torch.Generator().manual_seed(6)
+    metas = [BlockSparseMeta.from_mask(_random_mask((5, 7), 9, gen), 16) for _ in range(2)]
+    for meta in metas:
+        meta._groups[("mine",)] = torch.zeros(4, dtype=torch.long)
+    new = torch.stack([_random_mask((5, 7), 9, gen) for _ in range(2)])
+    before = [[t.clone() for t in m.kept_tensors()] for m in metas]
+    assert not rewrite_all_(metas, new)
+    assert all(torch.equal(a, b) for m, old in zip(metas, before) for a, b in zip(m.kept_tensors(), old))
+    assert metas[0].rewrite_(new[0]) and metas[0]._groups[("mine",)].tolist() == [0, 1, 2, 3]
+
+    def broken(new, key, value):
+        raise RuntimeError("a bug in a rule")
+    monkeypatch.setitem(meta_module.REFILL, "mine", broken)
+    with pytest.raises(RuntimeError, match="a bug in a rule"):
+        rewrite_all_(metas, new)
+
+
 def _layers(seed: int, count: int = 3):
     from sparsetrain.nn import SparseLinear
 
