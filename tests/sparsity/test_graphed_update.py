@@ -168,6 +168,41 @@ def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, pr
                                    rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
+def test_gpu_a_false_gate_replays_and_moves_nothing():
+    """The replayed graph reads the gate on the device: a false one leaves masks, values and Adam moments bit for
+    bit (the replay count goes up); the next ungated update is the per-layer one."""
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 512),
+                              nn.GELU(), nn.Linear(512, 256))
+        sparsify(model, density=0.1, block=16, format="block", seed=0)
+        model = model.to("cuda", torch.bfloat16)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        sched = PruneRegrow(policy="set", drop_fraction=0.5, interval=2, seed=0)
+        return model, opt, sched.attach(model, opt, total_steps=40)
+
+    runs = [setup(), setup()]
+    runs[0][2]._graphed = False
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    for step in range(1, 7):
+        for model, opt, sched in runs:
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == 6:
+                continue
+            sched.step(step)
+    (a, oa, sa), (b, ob, sb) = runs
+    graphed, replays = sb._graphed, sb._graphed.replays
+    before = _state(b, ob)
+    assert sb.gate_update(6, torch.zeros((), dtype=torch.bool, device="cuda")) and sb.step(6)["pruned"] > 0
+    assert graphed.replays == replays + 1 and all(torch.equal(v, _state(b, ob)[k]) for k, v in before.items())
+    sa.step(6)
+    sb.step(6)
+    assert all(torch.equal(v, _state(b, ob)[k]) for k, v in _state(a, oa).items())
+
+
 def test_the_branch_count_must_be_a_positive_int():
     model = nn.Sequential(nn.Linear(32, 32))
     sparsify(model, density=0.25, block=8, format="block", seed=0)
