@@ -109,6 +109,19 @@ def test_only_built_in_policies_and_graph_safe_layers_are_graphed():
     assert "cannot be updated without the host" in why_not_graphed(sched)
 
 
+def _gpu_setup(policy: str):
+    """Four block-sparse linears (256 <-> 512, 16x16 at 10%) in bf16 on the GPU, Adam, a PruneRegrow scheduler
+    updating every 2 steps; the second and the fourth keep the same tables."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 512),
+                          nn.GELU(), nn.Linear(512, 256))
+    sparsify(model, density=0.1, block=16, format="block", seed=0)
+    model = model.to("cuda", torch.bfloat16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sched = PruneRegrow(policy=policy, drop_fraction=0.5, interval=2, seed=0).attach(model, opt, total_steps=40)
+    return model, opt, sched
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy,dw,streams,prepare,batch", [
     ("set", "triton", 8, False, True), ("rigl", "triton", 8, True, True), ("set", "cuda", 8, True, True),
@@ -120,26 +133,16 @@ def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, pr
     by layer, and the layers compute the new topology, with the Triton or the CUDA weight-gradient kernel forced
     (its groups, or its CTA table, rebuilt in the graph), whether the graph runs the layers as one chain
     (streams=1) or as parallel branches (2: two units share a branch; 8: one branch each), whether the second and
-    fourth layers (one shape, the same tables) are updated together (batch) or each alone, and whether the graph is captured at the first
-    update or ahead of it (`prepare_updates` after step 1: the first update replays)."""
+    fourth layers (one shape, the same tables) are updated together (batch) or each alone, and whether the graph
+    is captured at the first update or ahead of it (`prepare_updates` after step 1: the first update replays)."""
     monkeypatch.setattr(GraphedUpdate, "STREAMS", streams)
     monkeypatch.setattr(GraphedUpdate, "BATCH", batch)
     from sparsetrain.kernels.blocksparse import _cuda, gather
     from sparsetrain.kernels.blocksparse.testing import forced_config
 
-    def setup():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 512),
-                              nn.GELU(), nn.Linear(512, 256))
-        sparsify(model, density=0.1, block=16, format="block", seed=0)
-        model = model.to("cuda", torch.bfloat16)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        sched = PruneRegrow(policy=policy, drop_fraction=0.5, interval=2, seed=0).attach(model, opt, total_steps=40)
-        return model, opt, sched
-
     forced = dict(fwd=gather.DDS_CANDIDATES[16][0], dx=gather.DDS_CANDIDATES[16][0],
                   dw=gather.DW_CANDIDATES[16][0] if dw == "triton" else _cuda.DW_CANDIDATES[0])
-    runs = [setup(), setup()]
+    runs = [_gpu_setup(policy), _gpu_setup(policy)]
     runs[0][2]._graphed = False                     # layer by layer
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     with forced_config(**forced):
@@ -172,17 +175,7 @@ def test_gpu_graphed_updates_replay_the_per_layer_update(policy, dw, streams, pr
 def test_gpu_a_false_gate_replays_and_moves_nothing():
     """The replayed graph reads the gate on the device: a false one leaves masks, values and Adam moments bit for
     bit (the replay count goes up); the next ungated update is the per-layer one."""
-    def setup():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 512),
-                              nn.GELU(), nn.Linear(512, 256))
-        sparsify(model, density=0.1, block=16, format="block", seed=0)
-        model = model.to("cuda", torch.bfloat16)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        sched = PruneRegrow(policy="set", drop_fraction=0.5, interval=2, seed=0)
-        return model, opt, sched.attach(model, opt, total_steps=40)
-
-    runs = [setup(), setup()]
+    runs = [_gpu_setup("set"), _gpu_setup("set")]
     runs[0][2]._graphed = False
     x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
     for step in range(1, 7):
