@@ -266,7 +266,10 @@ class Trainer:
         else:
             ranks = compare_masks(self.inner, self.accelerator.num_processes)  # several processes: one all-gather
             row = {"step": self.step, **record, "density": self.scheduler.density, **ranks.row}
-            self.guard.hold(row) if gated else self.log(row)
+            if gated:
+                self.guard.hold(row)                        # logged once the guard's flag is read
+            else:
+                self.log(row)
             ranks.raise_if_diverged(self.step)             # before the next optimizer step or checkpoint
         args, step = self.args, self.step
         if step % args.log_every == 0 or step == args.max_steps:
