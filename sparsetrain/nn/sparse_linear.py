@@ -75,6 +75,7 @@ class SparseLinear(nn.Module):
             self.register_parameter("bias", None)
         self.capture_dense_grad = False
         self.dense_grad: Tensor | None = None
+        self.grad_probe: Tensor | None = None   # see arm_dense_grad
         self.storage: WeightFormat = get_format(format)
         self.storage.setup(self, weight, self.mask)
 
@@ -111,6 +112,29 @@ class SparseLinear(nn.Module):
             with torch.no_grad():
                 layer.bias.copy_(linear.bias.detach())
         return layer
+
+    # ---- RigL's dense gradient -----------------------------------------------------------------
+    def arm_dense_grad(self, want: bool) -> None:
+        """Capture the dense weight gradient in the next backward passes (``want``), or stop and drop it. Where
+        the format takes a probe (the block format: ``kernels/blocksparse/probe.py``) the gradient arrives as the
+        probe's gradient, which a compiled and a replayed step fill too; otherwise a Python hook fills
+        ``dense_grad`` (an uncompiled eager step). Read it with :meth:`dense_gradient`."""
+        self.capture_dense_grad = bool(want)
+        if not want:
+            self.drop_dense_grad()
+        elif self.grad_probe is None or self.grad_probe.device != self.mask.device:
+            self.grad_probe = self.storage.new_probe(self)
+
+    def dense_gradient(self) -> Tensor | None:
+        """The dense weight gradient captured since it was last dropped (float32 ``[O, I]``), or None."""
+        if self.dense_grad is not None or self.grad_probe is None:
+            return self.dense_grad
+        return self.grad_probe.grad
+
+    def drop_dense_grad(self) -> None:
+        self.dense_grad = None
+        if self.grad_probe is not None:
+            self.grad_probe.grad = None
 
     def dense_phase(self) -> nn.Linear:
         """An ``nn.Linear`` holding this layer's own weight and bias Parameters (for a straight-through

@@ -220,7 +220,7 @@ class GraphedUpdate:
         self.last_count = sum(counts)
         self._fill(step, counts, grads, gate)
         for layer in self.layers:
-            layer.dense_grad = None
+            layer.drop_dense_grad()
         if self.graph is not None and keys == self.keys:
             self.graph.replay()    # (writes only what the layers keep: the keys stay)
             self.replays += 1

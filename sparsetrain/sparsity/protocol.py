@@ -45,8 +45,9 @@ class SparseLayer(Protocol):
     ``mask`` has shape ``(out_features // block.rows, in_features // block.cols)``. ``dense_weight()`` is the
     effective weight as a detached ``(out, in)`` tensor; ``weight_parameter()`` the trainable Parameter.
     ``set_mask(mask, optimizer)`` rewrites the topology (newly active weights start at zero with zeroed
-    optimizer moments). While ``capture_dense_grad`` is True, backward passes accumulate the gradient of every
-    position into ``dense_grad``. ``dense_phase()`` is an ``nn.Module`` holding the same Parameters, dense.
+    optimizer moments). ``arm_dense_grad(True)`` makes the backward passes accumulate the gradient of every
+    position (``capture_dense_grad``), read by ``dense_gradient()``; ``arm_dense_grad(False)`` stops and drops it,
+    ``drop_dense_grad()`` drops it. ``dense_phase()`` is an ``nn.Module`` holding the same Parameters, dense.
     """
 
     in_features: int
@@ -61,6 +62,12 @@ class SparseLayer(Protocol):
 
     @property
     def caps(self) -> FormatCaps: ...
+
+    def arm_dense_grad(self, want: bool) -> None: ...
+
+    def dense_gradient(self) -> Tensor | None: ...
+
+    def drop_dense_grad(self) -> None: ...
 
     @property
     def format_name(self) -> str: ...

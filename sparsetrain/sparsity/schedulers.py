@@ -14,6 +14,7 @@ data-parallel rank and after a resume. Gradient scores are all-reduced before ch
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,9 +126,11 @@ class SparsityScheduler:
         self._density = None
         return self
 
-    def prepare_updates(self) -> bool:
+    def prepare_updates(self, grow: Callable[[], object] | None = None) -> bool:
         """Build ahead of the first mask update what every update reuses (start-up work); True when something
-        the training step reads may have been replaced. Nothing to build here."""
+        the training step reads may have been replaced. ``grow``: the training step's own start-up work for a
+        step whose layers capture their dense gradient, called with the layers armed (a policy that needs the
+        gradient). Nothing to build here."""
         return False
 
     def gate_update(self, step: int, ok: torch.Tensor | None) -> bool:
@@ -305,20 +308,29 @@ class PruneRegrow(SparsityScheduler):
             return
         want = self.schedule.is_update_step(next_step)
         for layer in self.layers.values():
-            layer.capture_dense_grad = want
-            if not want:
-                layer.dense_grad = None
+            layer.arm_dense_grad(want)
 
     def is_update_step(self, step: int) -> bool:
         return self._dense_due(step) or (not self.switched and self.schedule.is_update_step(step))
 
-    def prepare_updates(self) -> bool:
+    def prepare_updates(self, grow: Callable[[], object] | None = None) -> bool:
         """Capture the graphed update (:meth:`GraphedUpdate.prepare`) once the layers' kernel plans exist, so that
-        the first update replays instead of capturing; True when it did."""
+        the first update replays instead of capturing; True when it did. RigL: ``grow()`` runs with every layer
+        armed (the training step captures its grow step), then each layer is armed as it was."""
         if self.switched or not self.layers:
             return False
         graphed = self._graph_update()
-        return bool(graphed) and graphed.prepare()
+        done = bool(graphed) and graphed.prepare()
+        if grow is not None and self.policy.needs_grad:
+            armed = [layer.capture_dense_grad for layer in self.layers.values()]
+            for layer in self.layers.values():
+                layer.arm_dense_grad(True)
+            try:
+                grow()
+            finally:
+                for layer, was in zip(self.layers.values(), armed):
+                    layer.arm_dense_grad(was)
+        return done
 
     def gate_update(self, step: int, ok: torch.Tensor | None) -> bool:
         """The graphed update, once captured, takes ``ok`` into the graph: a false one makes every drop count 0."""
@@ -366,15 +378,15 @@ class PruneRegrow(SparsityScheduler):
                     layer.settle_regrown_moments(self.optimizer)
             pruned += u.n_dropped
             regrown += u.n_grown
-            layer.dense_grad = None
+            layer.drop_dense_grad()
         return {"event": "mask_update", "pruned": pruned, "regrown": regrown, "drop_fraction": frac}
 
     def _reduced_grads(self) -> dict[str, torch.Tensor]:
         grads = {}
         for name, layer in self.layers.items():
-            if layer.dense_grad is None:
+            g = layer.dense_gradient()
+            if g is None:
                 raise RuntimeError(f"layer {name}: no dense gradient was captured for this update step")
-            g = layer.dense_grad
             if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(g)
             grads[name] = g

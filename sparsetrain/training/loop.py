@@ -294,10 +294,10 @@ class Trainer:
             n_items, self.rate_key = count_items(batch)
             items += n_items
             micro_batches.append(batch)
-        # a step whose layers hand their dense gradient to Python (RigL's grow step): eager, uncompiled model
-        hooks_step = self.needs_grad and mask_update_due(self.scheduler, self.step + 1)
+        # RigL's grow step: the layers capture their dense gradient (TrainStep._grow_step)
+        grow = self.needs_grad and mask_update_due(self.scheduler, self.step + 1)
         try:
-            loss = self.run_step(micro_batches, plain=hooks_step)
+            loss = self.run_step(micro_batches, grow=grow)
         except GraphCaptureError as e:
             if self.args.cuda_graph is True:
                 raise ValueError(f"trainer.cuda_graph: is true but {e}; set trainer.cuda_graph=false or auto") from e
@@ -350,7 +350,8 @@ class Trainer:
         else:
             self.train_flops += flop_count.step_flops(self.flops, is_update_step=False, dense_grad=False)
             self.hook_time += dt_hook
-            if self.step == self.rebuilt_at + self.run_step.warmup + 1 and self.scheduler.prepare_updates():
+            if self.step == self.rebuilt_at + self.run_step.warmup + 1 and self.scheduler.prepare_updates(
+                    grow=self.run_step.prepare_grow):
                 self.run_step.topology_changed()   # start-up work: the update's graph, captured before the first
         return record
 

@@ -13,8 +13,9 @@ guard's non-finite check, all on the device with no host sync. :class:`TrainStep
 
 What stays outside the graph: the learning-rate update (the optimizer's ``lr`` is a device tensor, refilled
 in place), the sparsity scheduler's hook, logging. A step the graph cannot replay runs eagerly with the very
-same body: the step before a RigL update (its layers hand their dense gradient to Python hooks), and a batch
-whose shapes differ from the captured ones. After a mask update, :meth:`TrainStep.topology_changed` keeps the
+same body: the step before a RigL update where a layer hands its dense gradient to a Python hook (block-format
+layers take a probe instead, and that step is replayed from a second graph: :meth:`TrainStep._grow_step`), and a
+batch whose shapes differ from the captured ones. After a mask update, :meth:`TrainStep.topology_changed` keeps the
 graph when the update rewrote everything the step reads in place (``reads``: the parameters, buffers and
 optimizer state are the same tensors at the same addresses, as after an update of the masked format, or of the
 block format where its kept tables fit the new topology), so the next replay reads the new topology. An update
@@ -38,6 +39,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sparsetrain.training.grad_sync import GradSync
+from sparsetrain.training.optim_capture import make_eager_safe, make_graph_safe
 
 if TYPE_CHECKING:
     from sparsetrain.training.guard import Guard
@@ -87,44 +89,6 @@ def graph_mode(setting: bool | str, on_cuda: bool, processes: int, mixed_precisi
     return bool(setting)
 
 
-def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Let ``optimizer.step()`` be captured: ``capturable`` on, the step counts and each group's ``lr`` on the
-    device (an LR scheduler then refills the tensor in place, which a replay reads). Raises ``ValueError`` for
-    an optimizer that cannot be captured."""
-    groups = optimizer.param_groups
-    if not groups or "capturable" not in groups[0]:
-        raise ValueError(f"{type(optimizer).__name__} has no 'capturable' option, so its step cannot be replayed "
-                         "from a CUDA graph; use torch.optim.AdamW or Adam (or trainer.cuda_graph=false)")
-    for group in groups:
-        group["capturable"] = True
-        lr = group["lr"]
-        group["lr"] = lr.to(device) if torch.is_tensor(lr) else torch.tensor(float(lr), device=device)
-        if "initial_lr" in group and torch.is_tensor(group["initial_lr"]):
-            group["initial_lr"] = group["initial_lr"].to(device)
-    for state in optimizer.state.values():  # a resumed optimizer: its step counts were loaded on the host
-        if torch.is_tensor(state.get("step")) and state["step"].device != device:
-            state["step"] = state["step"].to(device)
-
-
-def make_eager_safe(optimizer: torch.optim.Optimizer) -> None:
-    """Undo :func:`make_graph_safe` for an eager run (a checkpoint written by a graph run stores ``capturable``
-    and a tensor ``lr`` in its param groups): ``lr`` a float again, ``capturable`` off, and each step count
-    where the non-capturable update reads it (the parameter's device for a fused optimizer, else the CPU)."""
-    for group in optimizer.param_groups:
-        if torch.is_tensor(group.get("lr")):
-            group["lr"] = float(group["lr"])
-        if group.get("capturable"):
-            group["capturable"] = False
-        fused = bool(group.get("fused"))
-        for p in group["params"]:
-            state = optimizer.state.get(p, {})
-            step = state.get("step")
-            if torch.is_tensor(step):
-                want = p.device if fused else torch.device("cpu")
-                if step.device != want:
-                    state["step"] = step.to(want)
-
-
 class TrainStep:
     """``step(micro_batches) -> loss`` (a device scalar: the mean micro-batch loss) for one optimizer step.
 
@@ -143,7 +107,8 @@ class TrainStep:
                  no_sync: Callable[[], AbstractContextManager] = nullcontext,
                  sync: Callable[[], None] | None = None, graph: bool = False,
                  warmup: int = 1, plain_forward: Callable[[Batch], object] | None = None,
-                 reads: Callable[[], Iterable[Tensor]] | None = None) -> None:
+                 reads: Callable[[], Iterable[Tensor]] | None = None,
+                 probes: Callable[[], list[Tensor] | None] | None = None) -> None:
         self.forward, self.backward, self.optimizer = forward, backward, optimizer
         self.plain_forward = plain_forward or forward   # the uncompiled model, for steps with Python hooks
         self.clip, self.observe, self.autocast, self.no_sync = clip, observe, autocast, no_sync
@@ -155,6 +120,7 @@ class TrainStep:
         self.eager_steps = 0   # steps run eagerly
         self.capture_s = 0.0   # host seconds spent capturing
         self.graphs_kept = 0   # mask updates after which the graph was kept (rewritten in place)
+        self.grow_captures = 0  # graphs of RigL's grow step captured (replays count in ``replays``)
         self.reads = reads     # every tensor the step reads besides the batch (None: no update keeps a graph)
         self._read_at_capture: list[tuple[Tensor, int]] | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -162,6 +128,10 @@ class TrainStep:
         self._static_loss: Tensor | None = None
         self._since_invalidate = 0
         self._side: torch.cuda.Stream | None = None
+        self.probes = probes   # the dense-gradient probes of a grow step (None: a layer needs a Python hook)
+        self._grow: tuple[torch.cuda.CUDAGraph, Tensor, list[tuple[Tensor, Tensor]]] | None = None
+        self._grow_warm = False
+        self._grow_failed = False
 
     # -- the step's body: the same ops eagerly and under capture ------------------------------------------
     def _body(self, batches: list[Batch], plain: bool = False) -> Tensor:
@@ -196,6 +166,7 @@ class TrainStep:
         self._static_loss = None
         self._since_invalidate = 0
         self._read_at_capture = None
+        self._grow, self._grow_warm = None, False
 
     def _remember_reads(self) -> None:
         self._read_at_capture = None if self.reads is None else [(t, t.data_ptr()) for t in self.reads()]
@@ -213,11 +184,15 @@ class TrainStep:
                 return
         self.invalidate()
 
-    def __call__(self, batches: list[Batch], *, eager: bool = False, plain: bool = False) -> Tensor:
+    def __call__(self, batches: list[Batch], *, eager: bool = False, plain: bool = False,
+                 grow: bool = False) -> Tensor:
         """Run one optimizer step on ``batches`` (already on the device). ``eager=True`` forces the eager path
         for this step; ``plain=True`` also runs the uncompiled model (a step whose layers hand gradients to
-        Python hooks: through a compiled forward they broke its graph and recompiled it)."""
-        if plain:
+        Python hooks: through a compiled forward they broke its graph and recompiled it); ``grow=True``: the
+        sparse layers capture their dense gradient (RigL's step before an update, :meth:`_grow_step`)."""
+        if grow and not eager:
+            return self._grow_step(batches)
+        if plain or grow:
             return self._eager(batches, plain=True)
         if not self.graph_mode:
             return self._eager(batches)
@@ -243,6 +218,90 @@ class TrainStep:
                 return loss
             return self._eager(batches)
         return self._capture(batches)
+
+    def _grow_step(self, batches: list[Batch]) -> Tensor:
+        """A step whose layers capture their dense gradient. Where each of them takes a probe
+        (``kernels/blocksparse/probe.py``) it runs the compiled model and, in a graph run, is replayed from a
+        second graph captured in the step graph's memory pool (the two never run at once and hand nothing to
+        each other through it): the first such step after a capture runs eagerly, the next is captured. Else
+        (a layer fills ``dense_grad`` by a Python hook) the uncompiled model runs eagerly."""
+        probes = self.probes() if self.probes is not None else None
+        if not probes:
+            return self._eager(batches, plain=True)
+        for p in probes:
+            p.grad = None
+        if not (self.graph_mode and self._graph is not None and self._fits(batches)) or self._grow_failed:
+            return self._eager(batches)
+        if self._grow is not None:
+            graph, loss, grads = self._grow
+            for dst, src in zip(self._static, batches, strict=True):
+                for k, t in src.items():
+                    dst[k].copy_(t, non_blocking=True)
+            graph.replay()
+            self.replays += 1
+            for p, g in grads:   # the replay wrote the same tensors; the caller drops them after reading
+                p.grad = g
+            return loss
+        if not self._grow_warm:  # builds what the capture variant makes lazily (its compiled graph, plans)
+            self._grow_warm = True
+            return self._eager(batches)
+        loss = self._capture_grow(batches, probes)
+        return self._eager(batches) if loss is None else loss
+
+    def prepare_grow(self) -> bool:
+        """Start-up work of a RigL run, called with the layers armed: compile the grow step's variant (one forward
+        and backward on the captured inputs; the gradients are dropped, nothing is applied) and capture its graph
+        without replaying it, so that the first grow step replays. False where grow steps cannot be replayed."""
+        probes = self.probes() if self.probes is not None else None
+        if not (probes and self.graph_mode and self._graph is not None and self._grow is None
+                and not self._grow_failed):
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.autocast():
+            loss = self.forward(self._static[0]).loss
+        self.backward(loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in probes:
+            p.grad = None
+        self._grow_warm = True
+        return self._capture_grow(None, probes) is not None
+
+    def _capture_grow(self, batches: list[Batch] | None, probes: list[Tensor]) -> Tensor | None:
+        """Capture the grow step (in the step graph's pool) and replay it on ``batches``; ``None``: capture only
+        (start-up). Returns its loss, or None where the capture failed (nothing ran; later grow steps run
+        eagerly)."""
+        import time
+
+        t0 = time.perf_counter()
+        for dst, src in zip(self._static, batches or [], strict=True):
+            for k, t in src.items():
+                dst[k].copy_(t, non_blocking=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph.pool(), capture_error_mode="thread_local"):
+                loss = self._body(self._static)
+        except Exception as e:   # nothing ran
+            torch.cuda.synchronize()
+            self.optimizer.zero_grad(set_to_none=True)
+            for p in probes:
+                p.grad = None
+            self._grow_failed = True
+            print(f"warning: RigL's grow step could not be captured ({type(e).__name__}: {e}); it runs "
+                  f"eagerly".splitlines()[0], flush=True)
+            return None
+        self._grow = graph, loss, [(p, p.grad) for p in probes]
+        self.grow_captures += 1
+        if batches is None:     # start-up: the gradients the capture allocated stay the graph's, unread
+            self.optimizer.zero_grad(set_to_none=True)
+            for p in probes:
+                p.grad = None
+        else:
+            graph.replay()
+            self.replays += 1
+        self.capture_s += time.perf_counter() - t0
+        return loss
 
     def _fits(self, batches: list[Batch]) -> bool:
         """Whether ``batches`` have the captured shapes (or nothing is captured yet)."""
@@ -287,7 +346,8 @@ class TrainStep:
 
     def stats(self) -> dict[str, float | int]:
         return {"graph_captures": self.captures, "graph_replays": self.replays, "eager_steps": self.eager_steps,
-                "graphs_kept": self.graphs_kept, "capture_s": round(self.capture_s, 3)}
+                "graphs_kept": self.graphs_kept, "grow_captures": self.grow_captures,
+                "capture_s": round(self.capture_s, 3)}
 
 
 _ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]
@@ -314,7 +374,7 @@ def build_train_step(model, compiled, optimizer, raw_opt, accelerator, args: Tra
 
         return TrainStep(forward, accelerator.backward, optimizer, clip=clip, observe=guard.observe,
                          autocast=accelerator.autocast, no_sync=lambda: accelerator.no_sync(model),
-                         plain_forward=lambda batch: model(**batch))
+                         plain_forward=lambda batch: model(**batch), probes=lambda: probes_of(model))
     if use_graph:
         make_graph_safe(raw_opt, accelerator.device)
     else:
@@ -348,4 +408,12 @@ def build_train_step(model, compiled, optimizer, raw_opt, accelerator, args: Tra
 
     return TrainStep(forward, lambda loss: loss.backward(), raw_opt, clip=clip, observe=guard.observe,
                      autocast=autocast, sync=sync, graph=use_graph, warmup=2 if compiled is not None else 1,
-                     plain_forward=lambda batch: model(**batch), reads=reads)
+                     plain_forward=lambda batch: model(**batch), reads=reads, probes=lambda: probes_of(model))
+
+
+def probes_of(model: torch.nn.Module) -> list[Tensor] | None:
+    """The dense-gradient probes of the layers that capture their dense gradient now; None where one of them
+    has none (its Python hook runs in an uncompiled eager step only) or none captures."""
+    layers = [m for m in model.modules() if getattr(m, "capture_dense_grad", False)]
+    probes = [getattr(m, "grad_probe", None) for m in layers]
+    return probes if layers and all(p is not None for p in probes) else None

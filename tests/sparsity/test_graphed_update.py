@@ -244,3 +244,18 @@ def test_the_sequence_with_no_block_to_move_changes_nothing(policy, moments):
     assert record["pruned"] > 0
     a, b = _state(model_a, opt_a), _state(model_b, opt_b)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("policy", ["set", "rigl"])
+def test_prepare_updates_runs_the_grow_steps_start_up_with_every_layer_armed(policy):
+    """RigL: the training step's start-up work for its grow step (``grow``) sees every layer capturing, with a
+    probe; afterwards each layer is armed as it was. SET needs no gradient: ``grow`` is not called."""
+    _, _, sched = _setup(policy)
+    layers = list(sched.layers.values())
+    for i, layer in enumerate(layers):
+        layer.arm_dense_grad(i == 0)                    # as if the next step were a grow step for the first
+    seen = []
+    sched.prepare_updates(grow=lambda: seen.append([(m.capture_dense_grad, m.grad_probe is not None)
+                                                    for m in layers]))
+    assert seen == ([[(True, True)] * len(layers)] if policy == "rigl" else [])
+    assert [m.capture_dense_grad for m in layers] == [True] + [False] * (len(layers) - 1)

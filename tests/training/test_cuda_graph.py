@@ -1,6 +1,6 @@
 """Whole training steps replayed from a CUDA graph (``trainer.cuda_graph``) train the same model as eager steps:
 the same losses (to float tolerance) and the same masks through mask updates, re-captured after each update;
-RigL's dense-gradient steps run eagerly. The graph-mode decision itself is tested on the CPU."""
+RigL's dense-gradient steps replayed from a graph of their own (block format) or run eagerly (a Python hook). The graph-mode decision itself is tested on the CPU."""
 import pytest
 import torch
 
@@ -62,6 +62,46 @@ def test_eager_step_runs_the_body_once_and_clears_gradients():
     assert step.eager_steps == 1 and seen == [float(loss)]
 
 
+@pytest.mark.parametrize("fmt", ["block", "masked"])
+def test_a_grow_step_runs_the_compiled_model_where_every_layer_takes_a_probe(fmt):
+    """RigL's grow step: block-format layers hand their dense gradient over as a probe's gradient, so the step
+    runs the model the other steps run (compiled, replayable); a layer with a Python hook (the masked format)
+    makes it run the uncompiled model. Either way the dense gradient is the same."""
+    from sparsetrain.nn import SparseLinear
+    from sparsetrain.training.step import probes_of
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(SparseLinear.from_dense(torch.nn.Linear(32, 48), density=0.5, block=16,
+                                                        format=fmt))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    used = []
+
+    class Out:
+        def __init__(self, loss):
+            self.loss = loss
+
+    def fwd(name):
+        def run(b):
+            used.append(name)
+            return Out(model(b["x"]).square().mean())
+        return run
+
+    step = TrainStep(fwd("forward"), lambda loss: loss.backward(), opt, clip=lambda: None,
+                     observe=lambda loss, norm: None, autocast=lambda: torch.autocast("cpu", enabled=False),
+                     plain_forward=fwd("plain"), probes=lambda: probes_of(model))
+    layer = model[0]
+    assert probes_of(model) is None                      # nothing captures yet
+    layer.arm_dense_grad(True)
+    x = torch.randn(6, 32)
+    want = (2 * model(x) / model(x).numel()).t() @ x     # d mean(y^2) / dW, dense
+    step([{"x": x}], grow=True)
+    assert used == (["forward"] if fmt == "block" else ["plain"])
+    assert (probes_of(model) is None) == (fmt == "masked")
+    torch.testing.assert_close(layer.dense_gradient(), want.detach(), rtol=1e-5, atol=1e-5)
+    step([{"x": x}], grow=True, eager=True)              # the loop's fallback after a failed capture: plain
+    assert used[-1] == "plain"
+
+
 def _args(**kw) -> TrainArgs:
     base = dict(max_steps=12, batch_size=8, eval_every=0, log_every=2, device="cuda", progress=False, plot=False,
                 recipe="graph", checkpoint_every=0, mixed_precision="no")
@@ -112,6 +152,7 @@ def train_spec(spec, run_dir):
 ])
 @pytest.mark.parametrize("fmt", ["block", "masked"])
 def test_graph_steps_train_like_eager_steps(tmp_path, make_scheduler, updates, fmt):
+    rigl = isinstance(getattr(make_scheduler(), "policy", None), RigL)
     eager, eager_losses, eager_sig = _run(tmp_path, "eager", make_scheduler(), False, fmt)
     graph, graph_losses, graph_sig = _run(tmp_path, "graph", make_scheduler(), True, fmt)
     assert eager["step_mode"] == "eager" and graph["step_mode"] == "cuda_graph"
@@ -124,6 +165,9 @@ def test_graph_steps_train_like_eager_steps(tmp_path, make_scheduler, updates, f
         assert recaptures == 0
     assert graph["graph_replays"] + graph["eager_steps"] == 12
     assert graph["graph_replays"] >= 12 - 2 * (1 + recaptures) - updates   # RigL: an eager step before each
+    # RigL's grow steps with the block format: the first after a capture eager, the next captured, then replayed
+    if recaptures == 0:   # (a re-capture drops the grow graph too: the next grow steps start over)
+        assert graph["grow_captures"] == (1 if rigl and fmt == "block" else 0)
     assert eager_sig == graph_sig                                   # the same masks after the same updates
     assert len(eager_losses) == len(graph_losses) == 6
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-4, atol=2e-4)
@@ -161,6 +205,7 @@ def test_block_graph_kept_across_updates_replays_the_new_topology(tmp_path, make
         if backend == "cuda":
             _check_layers_compute_their_topology(models[0])
     assert graph["graph_captures"] == 1 and graph["graphs_kept"] == 3
+    assert graph["grow_captures"] == int(isinstance(make_scheduler().policy, RigL))   # then replayed
     if backend == "gather":
         assert eager_sig == graph_sig
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=tol, atol=tol)
@@ -188,7 +233,7 @@ def _check_layers_compute_their_topology(model) -> None:
 def test_an_optimizer_made_graph_safe_steps_eagerly_again_after_make_eager_safe(fused):
     """A checkpoint of a graph run carries capturable=True and a tensor lr; an eager run (here on the CPU, where
     capturable is refused) undoes both and then steps exactly like an optimizer that never was graph-safe."""
-    from sparsetrain.training.step import make_eager_safe, make_graph_safe
+    from sparsetrain.training.optim_capture import make_eager_safe, make_graph_safe
 
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)

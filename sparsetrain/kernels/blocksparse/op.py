@@ -37,6 +37,7 @@ from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
 from sparsetrain.kernels.blocksparse.plans import dds_planned, run_dw, sampled_grad_planned
 from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
+from sparsetrain.kernels.blocksparse.probe import ProbedFn
 from sparsetrain.kernels.blocksparse.reference import _blocks, dense_to_values, values_to_dense
 from sparsetrain.kernels.blocksparse.registry import _meta_for, op_meta_args
 from sparsetrain.kernels.blocksparse.testing import HOOKS
@@ -282,10 +283,8 @@ def _eager_with_hook(x2d: Tensor, values: Tensor, bias: Tensor | None, meta: Blo
 
 
 def _values_to_dense_traced(values: Tensor, meta: BlockSparseMeta) -> Tensor:
-    """:func:`.reference.values_to_dense` for a compiled graph: the int64 block index is cast in the graph from
-    the metadata's index tensors, not read from the cache on the metadata. Dynamo guards on what a dict holds:
-    the cached one would recompile the graph whenever a layer's cache is filled and another's not (a mask
-    update that skips a layer, an eager evaluation step), up to its recompile limit, then run eagerly."""
+    """:func:`.reference.values_to_dense` for a compiled graph: the block index cast in the graph, not read from the
+    metadata's cache (dynamo guards on what a dict holds: a filled cache would recompile the graph)."""
     w = values.new_zeros(meta.out_features, meta.in_features)
     _blocks(w, meta)[meta.row_idx.long(), meta.col_idx.long()] = values
     return w
@@ -349,13 +348,15 @@ def _check(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None
 
 
 def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None = None, *,
-                        dense_grad_hook: Callable[[Tensor], None] | None = None) -> Tensor:
+                        dense_grad_hook: Callable[[Tensor], None] | None = None,
+                        dense_grad_probe: Tensor | None = None) -> Tensor:
     """``x · W_effᵀ + bias`` with ``W_eff`` given by compressed ``values`` and ``meta``; ``x [..., I]``.
 
     ``values`` and ``bias`` have ``x``'s dtype, or float32 with a 16-bit ``x`` (mixed precision: the
     active blocks are cast to ``x``'s dtype once per step, shared by the forward and the input gradient, and
     the gradients come back in float32). Under autocast only ``x`` is cast. ``dense_grad_hook(g)``, when given,
-    receives the dense ``dL/dW_eff`` (float32 ``[O, I]``) during backward — the flag RigL's grow step needs.
+    receives the dense ``dL/dW_eff`` (float32 ``[O, I]``) during backward (RigL's grow step); ``dense_grad_probe``
+    (:func:`.probe.new_probe`) as its gradient instead, with no Python in the backward (compiled, replayed).
 
     A call signature seen before on this topology takes the fast path (:class:`FastCall`).
 
@@ -363,8 +364,8 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
     >>> block_sparse_linear(torch.randn(5, 32), torch.randn(4, 16, 16), meta).shape
     torch.Size([5, 32])
     """
-    if (dense_grad_hook is None and _autocast_on is not None and not _dynamo_compiling()
-            and not _compiler._is_compiling_flag and not _functorch_active()):
+    if (dense_grad_hook is None and dense_grad_probe is None and _autocast_on is not None
+            and not _dynamo_compiling() and not _compiler._is_compiling_flag and not _functorch_active()):
         try:
             dev = x.device
             x1 = x
@@ -389,11 +390,11 @@ def block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: 
                     x1 = x1.contiguous()
                 y = _PLANNED_APPLY(x1, values, bias, call)
                 return y if call.flat else y.view(call.out_shape)
-    return _block_sparse_linear(x, values, meta, bias, dense_grad_hook)
+    return _block_sparse_linear(x, values, meta, bias, dense_grad_hook, dense_grad_probe)
 
 
 def _block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None,
-                         dense_grad_hook: Callable[[Tensor], None] | None) -> Tensor:
+                         dense_grad_hook: Callable[[Tensor], None] | None, probe: Tensor | None = None) -> Tensor:
     """:func:`block_sparse_linear` with every check; keeps a :class:`FastCall` where the fast path can take it."""
     _check(x, values, meta, bias)
     cast = _autocast_dtype(x.device.type)
@@ -409,7 +410,11 @@ def _block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias:
         contig = x2d.stride(-1) != 1
         if contig:
             x2d = x2d.contiguous()
-        if torch.compiler.is_compiling() and dense_grad_hook is None:  # opaque op for dynamo / inductor
+        if probe is not None:   # RigL's grow step: the dense gradient as the probe's gradient (probe.py)
+            y = (torch.ops.sparsetrain.block_sparse_linear_probed(
+                     x.contiguous(), values.contiguous(), bias, probe, *op_meta_args(meta))
+                 if torch.compiler.is_compiling() else ProbedFn.apply(x2d, values, bias, probe, meta))
+        elif torch.compiler.is_compiling() and dense_grad_hook is None:  # opaque op for dynamo / inductor
             # x with its leading dimensions, so that the backward's dY is the gradient as its producer wrote it
             # (e.g. LayerNorm backward -> dropout backward over [B, S, O]): inductor then fuses that pointwise
             # work into the producer's kernel; a [T, O] view of it made the op's input a copy of its own
@@ -427,6 +432,7 @@ def _block_sparse_linear(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias:
         bias = bias.to(x.dtype) if bias is not None else None
         if dense_grad_hook is not None and torch.is_grad_enabled() and w.requires_grad:
             w = _DenseGradHook.apply(w, dense_grad_hook)
+        w = w if probe is None else w + probe.to(w.dtype)
         y = F.linear(x2d, w, bias)
     return y.reshape(*lead, meta.out_features)
 

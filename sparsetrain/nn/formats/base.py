@@ -102,6 +102,12 @@ class WeightFormat:
         None (not graph-safe)."""
         return None
 
+    def new_probe(self, layer: nn.Module) -> Tensor | None:
+        """A leaf whose gradient becomes the dense weight gradient while ``layer.capture_dense_grad`` is on (no
+        Python hook: a compiled or replayed step fills it), or None where the format fills ``dense_grad`` by a
+        hook. Default: None."""
+        return None
+
     def graph_batch_key(self, layer: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple | None:
         """Layers with equal keys (not None) can take one :meth:`set_masks` call. Default: None (one by one)."""
         return None

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear, register_meta
 from sparsetrain.kernels.blocksparse.meta import active_positions, rewrite_all_
+from sparsetrain.kernels.blocksparse.probe import new_probe
 from sparsetrain.kernels.blocksparse.reference import dense_to_values, values_to_dense
 from sparsetrain.nn.formats.base import (
     FormatCaps,
@@ -142,9 +143,15 @@ class BlockFormat(WeightFormat):
             values, bias = layer.values, layer.bias
         hook = None
         if layer.capture_dense_grad and torch.is_grad_enabled() and values.requires_grad:
+            if layer.grad_probe is not None:   # RigL's grow step, compiled or replayed (probe.py)
+                return block_sparse_linear(x, values, meta, bias, dense_grad_probe=layer.grad_probe)
+
             def hook(g: Tensor, layer=layer) -> None:
                 layer.dense_grad = g if layer.dense_grad is None else layer.dense_grad + g
         return block_sparse_linear(x, values, meta, bias, dense_grad_hook=hook)
+
+    def new_probe(self, layer):
+        return new_probe(layer.out_features, layer.in_features, layer.mask.device)
 
     def dense_weight(self, layer):
         return values_to_dense(whole(layer.values.detach()), self.meta(layer))
