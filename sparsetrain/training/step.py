@@ -273,7 +273,7 @@ class TrainStep:
         import time
 
         t0 = time.perf_counter()
-        for dst, src in zip(self._static, batches or [], strict=True):
+        for dst, src in zip(self._static, batches, strict=True) if batches is not None else ():
             for k, t in src.items():
                 dst[k].copy_(t, non_blocking=True)
         self.optimizer.zero_grad(set_to_none=True)
