@@ -352,7 +352,7 @@ class Trainer:
             self.hook_time += dt_hook
             if self.step == self.rebuilt_at + self.run_step.warmup + 1 and self.scheduler.prepare_updates(
                     grow=self.run_step.prepare_grow):
-                self.run_step.topology_changed()   # start-up work: the update's graph, captured before the first
+                self.run_step.topology_changed(update=False)   # start-up work: the update's graph, captured before the first
         return record
 
     def log(self, row: dict) -> None:

@@ -171,16 +171,16 @@ class TrainStep:
     def _remember_reads(self) -> None:
         self._read_at_capture = None if self.reads is None else [(t, t.data_ptr()) for t in self.reads()]
 
-    def topology_changed(self) -> None:
+    def topology_changed(self, update: bool = True) -> None:
         """After a mask update: keep the graph if every tensor in ``reads()`` is the very tensor the graph was
         captured with, at the same address (the update wrote in place, so a replay reads the new topology);
         otherwise :meth:`invalidate`. The tensors are held from the capture on, so an identity cannot be a
-        freed tensor's reused id."""
+        freed tensor's reused id. ``update=False``: start-up work, not a mask update (not counted as one)."""
         kept = self._read_at_capture
         if self._graph is not None and kept is not None:
             now = list(self.reads())
             if len(now) == len(kept) and all(t is k and t.data_ptr() == ptr for t, (k, ptr) in zip(now, kept)):
-                self.graphs_kept += 1
+                self.graphs_kept += update
                 return
         self.invalidate()
 
@@ -260,6 +260,7 @@ class TrainStep:
         with self.autocast():
             loss = self.forward(self._static[0]).loss
         self.backward(loss)
+        del loss   # its autograd graph holds the leaves' gradient accumulators: alive, they break the capture
         self.optimizer.zero_grad(set_to_none=True)
         for p in probes:
             p.grad = None
