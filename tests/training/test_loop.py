@@ -162,7 +162,7 @@ def test_the_scheduler_prepares_its_updates_once_inside_the_startup_window(tmp_p
     calls = []
 
     class Preparing(Static):
-        def prepare_updates(self):
+        def prepare_updates(self, grow=None):
             calls.append(self.step_count)
             return True
 
