@@ -199,9 +199,7 @@ class TrainStep:
         if eager or not self._fits(batches):
             return self._eager(batches)
         if self._graph is not None:
-            for dst, src in zip(self._static, batches, strict=True):
-                for k, t in src.items():
-                    dst[k].copy_(t, non_blocking=True)
+            self._load(batches)
             self._graph.replay()
             self.replays += 1
             return self._static_loss
@@ -234,9 +232,7 @@ class TrainStep:
             return self._eager(batches)
         if self._grow is not None:
             graph, loss, grads = self._grow
-            for dst, src in zip(self._static, batches, strict=True):
-                for k, t in src.items():
-                    dst[k].copy_(t, non_blocking=True)
+            self._load(batches)
             graph.replay()
             self.replays += 1
             for p, g in grads:   # the replay wrote the same tensors; the caller drops them after reading
@@ -274,9 +270,8 @@ class TrainStep:
         import time
 
         t0 = time.perf_counter()
-        for dst, src in zip(self._static, batches, strict=True) if batches is not None else ():
-            for k, t in src.items():
-                dst[k].copy_(t, non_blocking=True)
+        if batches is not None:
+            self._load(batches)
         self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -304,6 +299,12 @@ class TrainStep:
         self.capture_s += time.perf_counter() - t0
         return loss
 
+    def _load(self, batches: list[Batch]) -> None:
+        """Copy ``batches`` into the captured graphs' static inputs."""
+        for dst, src in zip(self._static, batches, strict=True):
+            for k, t in src.items():
+                dst[k].copy_(t, non_blocking=True)
+
     def _fits(self, batches: list[Batch]) -> bool:
         """Whether ``batches`` have the captured shapes (or nothing is captured yet)."""
         if self._static is None:
@@ -320,9 +321,7 @@ class TrainStep:
         if self._static is None:
             self._static = [{k: t.clone() for k, t in b.items()} for b in batches]
         else:
-            for dst, src in zip(self._static, batches, strict=True):
-                for k, t in src.items():
-                    dst[k].copy_(t, non_blocking=True)
+            self._load(batches)
         self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
