@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -238,7 +239,8 @@ def validate(cfg: DictConfig) -> None:
                           "compile_mode=default or max-autotune-no-cudagraphs (or a static scheduler)")
     # the layout against the model's layers (meta device: names and shapes only)
     fmt = _check_format(cfg)
-    preflight.check_format_fits_scheduler(fmt, str(sp.format), scheduler)
+    preflight.check_format_fits_scheduler(fmt, str(sp.format), scheduler,
+                                          sharded=os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true")
     skeleton = getattr(model_fn, "skeleton", None)
     if scheduler.sparse and skeleton is not None:
         model = _call(_model_kwargs(cfg), "model", skeleton)

@@ -143,11 +143,11 @@ def _caps(fmt: type) -> Any:
         return None
 
 
-def check_format_fits_scheduler(fmt: type, format_spec: str, scheduler) -> None:
+def check_format_fits_scheduler(fmt: type, format_spec: str, scheduler, sharded: bool = False) -> None:
     """The format's capabilities against what the scheduler's updates do, so that the first mask update cannot
     fail mid-run: N:M formats (``FormatCaps.needs_nm``, e.g. ``2:4``) need N:M masks (``produces_nm``) or masks
-    that never change (``static_topology``); a format that keeps the active count (``block``) or trains a dense
-    master weight cannot follow a scheduler that shrinks the count (``shrinks_count``, gradual pruning)."""
+    that never change (``static_topology``); a format that keeps the active count and cannot shrink it, or trains a
+    dense master weight, cannot follow a scheduler that shrinks the count (``shrinks_count``, gradual pruning)."""
     caps = _caps(fmt)
     if caps is None or not scheduler.sparse:
         return
@@ -156,9 +156,14 @@ def check_format_fits_scheduler(fmt: type, format_spec: str, scheduler) -> None:
         raise ConfigError("sparsity.format", f"{format_spec!r} keeps 2:4 masks, but the {name} scheduler writes "
                                              "unstructured masks at its updates; use sparsity=sparse_then_dense "
                                              "or sparsity=static with it, or sparsity.format=masked")
-    if scheduler.shrinks_count and (caps.keeps_count or caps.straight_through or caps.needs_nm):
+    if scheduler.shrinks_count and ((caps.keeps_count and not caps.can_shrink) or caps.straight_through
+                                    or caps.needs_nm):
         raise ConfigError("sparsity.format", f"the {name} scheduler shrinks the active count at its updates, "
                                              f"which {format_spec!r} cannot hold; use sparsity.format=masked")
+    if scheduler.shrinks_count and caps.keeps_count and sharded:
+        raise ConfigError("sparsity.format", f"the {name} scheduler shrinks the active count at its updates, which "
+                                             f"{format_spec!r} does by rebuilding its values, and FSDP shards them; "
+                                             "use sparsity.format=masked with FSDP")
 
 
 def check_layout(model, format_cls: type, sparsify_kwargs: dict) -> None:

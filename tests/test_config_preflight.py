@@ -120,10 +120,14 @@ def test_two_four_format_needs_a_scheduler_that_keeps_two_four_masks():
     validate(compose(["recipe=vit_24_sparse_then_dense"]))
 
 
-def test_gradual_pruning_with_a_count_keeping_format_is_refused_up_front():
-    # the block format keeps its active count; gradual pruning shrinks it (refused before: only at attach)
-    assert _key_of(["sparsity=gradual", "sparsity.format=block", "sparsity.block=16"]) == "sparsity.format"
+def test_gradual_pruning_with_a_format_that_cannot_shrink_is_refused_up_front(monkeypatch):
+    # the block format rebuilds its values at the new count; a straight-through format cannot shrink at all,
+    # nor can the block format while FSDP shards its values (refused before any work, naming the key)
+    validate(compose(["recipe=quickstart", "sparsity=gradual", "sparsity.format=block", "sparsity.block=16"]))
     assert _key_of(["sparsity=gradual", "sparsity.format=masked_st"]) == "sparsity.format"
+    validate(compose(["recipe=quickstart", "sparsity=gradual", "sparsity.format=masked"]))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert _key_of(["sparsity=gradual", "sparsity.format=block", "sparsity.block=16"]) == "sparsity.format"
     validate(compose(["recipe=quickstart", "sparsity=gradual", "sparsity.format=masked"]))
 
 

@@ -226,6 +226,13 @@ class SparseLinear(nn.Module):
             raise ValueError(f"new mask shape {tuple(new_mask.shape)} != {tuple(self.mask.shape)}")
         self.storage.set_mask(self, new_mask.to(torch.bool), optimizer)
 
+    def shrink_to(self, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Keep only the active blocks of ``new_mask``, a subset of the mask (gradual pruning): a format that keeps
+        its count rebuilds its storage at the new one; the others set the mask."""
+        if tuple(new_mask.shape) != tuple(self.mask.shape):
+            raise ValueError(f"new mask shape {tuple(new_mask.shape)} != {tuple(self.mask.shape)}")
+        self.storage.shrink(self, new_mask.to(torch.bool), optimizer)
+
     def graph_update_key(self):
         """None, or what :meth:`set_mask` touches, by identity, where it can be replayed from a CUDA graph."""
         return self.storage.graph_update_key(self)

@@ -38,7 +38,7 @@ class GradualMagnitude(SparsityScheduler):
     def _on_attach(self) -> None:
         for name, layer in self.layers.items():
             caps = layer.caps
-            if caps.keeps_count or caps.straight_through or caps.needs_nm:
+            if (caps.keeps_count and not caps.can_shrink) or caps.straight_through or caps.needs_nm:
                 raise ValueError(f"gradual_magnitude needs a format whose active count can shrink and whose pruned "
                                  f"weights stay zero, such as sparsity.format=masked (layer {name} uses "
                                  f"{layer.format_name!r})")
@@ -66,6 +66,6 @@ class GradualMagnitude(SparsityScheduler):
             w = layer.dense_weight()
             scores = to_scores_grid(self.policy.drop_scores(w, None, layer.mask), w.shape, layer.block)
             u = prune_to(layer.mask, scores.to(layer.mask.device), k)
-            layer.set_mask(u.mask, self.optimizer)
+            layer.shrink_to(u.mask, self.optimizer)
             pruned += u.n_dropped
         return {"event": "mask_update", "pruned": pruned, "regrown": 0, "drop_fraction": 0.0}

@@ -22,7 +22,8 @@ class FormatCaps:
     """What a storage format can do with its mask; schedulers and the FLOP count read these, never names.
 
     - ``keeps_count``: ``set_mask`` must keep the number of active blocks (compressed storage such as
-      ``block``); a scheduler that shrinks the count (gradual pruning) cannot drive it.
+      ``block``); a scheduler that shrinks the count (gradual pruning) drives it through ``shrink_to`` where
+      ``can_shrink`` (the storage is rebuilt at the new count), and cannot otherwise.
     - ``straight_through``: the layer trains a dense master weight; the mask only shapes the forward product
       (pruned weights keep their values and receive the dense gradient).
     - ``needs_nm``: masks must be transposable 2:4 element masks (block 1x1).
@@ -32,6 +33,7 @@ class FormatCaps:
     """
 
     keeps_count: bool = False
+    can_shrink: bool = True
     straight_through: bool = False
     needs_nm: bool = False
     derives_mask: bool = False
@@ -45,7 +47,7 @@ class SparseLayer(Protocol):
     ``mask`` has shape ``(out_features // block.rows, in_features // block.cols)``. ``dense_weight()`` is the
     effective weight as a detached ``(out, in)`` tensor; ``weight_parameter()`` the trainable Parameter.
     ``set_mask(mask, optimizer)`` rewrites the topology (newly active weights start at zero with zeroed
-    optimizer moments). ``arm_dense_grad(True)`` makes the backward passes accumulate the gradient of every
+    optimizer moments); ``shrink_to(mask, optimizer)`` keeps a subset of the active blocks (gradual pruning). ``arm_dense_grad(True)`` makes the backward passes accumulate the gradient of every
     position (``capture_dense_grad``), read by ``dense_gradient()``; ``arm_dense_grad(False)`` stops and drops it,
     ``drop_dense_grad()`` drops it. ``dense_phase()`` is an ``nn.Module`` holding the same Parameters, dense.
     """
@@ -62,6 +64,8 @@ class SparseLayer(Protocol):
 
     @property
     def caps(self) -> FormatCaps: ...
+
+    def shrink_to(self, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None) -> None: ...
 
     def arm_dense_grad(self, want: bool) -> None: ...
 

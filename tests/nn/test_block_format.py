@@ -138,6 +138,44 @@ def test_set_mask_sgd_momentum_and_count_check():
         blk.set_mask(too_many, opt)
 
 
+def test_shrink_keeps_the_surviving_blocks_and_their_moments_and_refuses_the_rest():
+    blk, msk = pair(density=0.5)
+    opt = torch.optim.AdamW(blk.parameters(), lr=1e-2)
+    blk(torch.randn(4, 64)).square().sum().backward()
+    opt.step()
+    active = blk.mask.nonzero().tolist()
+    keep = torch.zeros_like(blk.mask)
+    for r, c in active[::3]:                                   # every third active block survives
+        keep[r, c] = True
+    before = {tuple(p): (blk.values.detach()[j].clone(), opt.state[blk.values]["exp_avg"][j].clone())
+              for j, p in enumerate(active)}
+    values = blk.values
+    blk.shrink_to(keep, opt)
+    assert blk.values is values and blk.n_active == int(keep.sum()) == blk.values.shape[0]
+    for j, p in enumerate(keep.nonzero().tolist()):
+        assert torch.equal(blk.values.detach()[j], before[tuple(p)][0])
+        assert torch.equal(opt.state[blk.values]["exp_avg"][j], before[tuple(p)][1])
+    assert opt.state[blk.values]["exp_avg_sq"].shape == blk.values.shape
+    msk.set_mask(keep)
+    with torch.no_grad():
+        msk.weight.copy_(blk.dense_weight())
+        msk.bias.copy_(blk.bias)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(blk(x), msk(x), rtol=1e-5, atol=1e-5)   # the rebuilt metadata computes it
+    assert blk.values.grad.shape == blk.values.shape                    # the last gradient, gathered too
+    opt.step()                                                          # the optimizer goes on at the new count
+    outside = (~keep).nonzero()[0].tolist()
+    bad = keep.clone()
+    bad[outside[0], outside[1]] = True                                  # a block that is not active now
+    with pytest.raises(ValueError, match="subset"):
+        blk.shrink_to(bad, opt)
+    with pytest.raises(ValueError, match="subset"):
+        blk.shrink_to(torch.zeros_like(keep), opt)
+    same = blk.mask.clone()
+    blk.shrink_to(same, opt)                                            # the same count: a plain set_mask
+    assert blk.n_active == int(keep.sum())
+
+
 def test_dense_grad_capture_equals_dense_gradient():
     blk, msk = pair()
     x = torch.randn(2, 9, 64)

@@ -153,6 +153,43 @@ def test_cli_block_sparse_then_dense_resumes_exactly_and_counts_flops(tmp_path):
     assert summary["status"] == "finished" and summary["final_eval_loss"] is not None
 
 
+@pytest.mark.slow
+def test_cli_gradual_pruning_on_the_block_format_shrinks_and_resumes_exactly(tmp_path):
+    """Through the CLI (tiny quickstart, 16x16 blocks, gradual pruning from dense to 10% in 6 updates over the
+    first 75% of 24 steps): the block format's storage shrinks with the count (the final checkpoint's values hold
+    the final count), and a run resumed from the checkpoint of step 16, between two shrinks, logs the uninterrupted
+    run's losses after it exactly and ends with the same weights."""
+    import torch
+    from test_cli import TINY, cli, rows
+
+    common = ["recipe=quickstart", "sparsity=gradual", "sparsity.format=block", "sparsity.block=16",
+              "sparsity.scheduler.num_updates=6", "trainer.max_steps=24", "trainer.checkpoint_every=8",
+              "trainer.log_every=4", "trainer.eval_every=12", "logger=quiet", *TINY]
+    a, b = tmp_path / "a", tmp_path / "b"
+    plain = {"TRITON_INTERPRET": "0"}   # the plain-torch block path
+    cli("train", *common, f"hydra.run.dir={a}", env=plain)
+    pruned = [e["pruned"] for e in rows(a, "event") if e["event"] == "mask_update"]
+    assert len(pruned) >= 5 and all(p > 0 for p in pruned)
+    cli("train", *common, f"hydra.run.dir={b}", f"trainer.resume={a / 'checkpoints' / 'step_00000016'}", env=plain)
+    after = [x["loss"] for x in rows(b, "loss") if x["step"] > 16]
+    assert len(after) == 2 and after == [x["loss"] for x in rows(a, "loss") if x["step"] > 16]
+    ma = torch.load(a / "checkpoints/step_00000024/pytorch_model.bin", map_location="cpu")
+    mb = torch.load(b / "checkpoints/step_00000024/pytorch_model.bin", map_location="cpu")
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    def counts(step: int) -> tuple[list[int], list[int]]:
+        """(active blocks per mask, first dimensions of the Adam moments of block values) in a checkpoint (the
+        model file holds dense weights; the optimizer file keeps the block format's state)"""
+        d = a / "checkpoints" / f"step_{step:08d}"
+        model = torch.load(d / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = torch.load(d / "optimizer.bin", map_location="cpu", weights_only=True)["state"]
+        return (sorted(int(v.sum()) for k, v in model.items() if k.endswith(".mask")),
+                sorted(s["exp_avg"].shape[0] for s in state.values() if s["exp_avg"].dim() == 3))
+
+    (masks16, moments16), (masks24, moments24) = counts(16), counts(24)
+    assert masks24 == moments24 and masks16 == moments16       # the storage holds the current count
+    assert sum(masks24) < sum(masks16)                          # and it shrank after step 16 too
+
+
 def test_a_dense_phase_with_several_processes_needs_the_graph_steps_own_sync(monkeypatch):
     """DDP's reducer and FSDP's shards keep the Parameters a run started with: with several processes a dense phase
     is refused before any work, naming the key, unless the step replays a graph (its own gradient sync)."""

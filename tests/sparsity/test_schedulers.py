@@ -160,6 +160,26 @@ def test_gradual_magnitude_reaches_target():
     assert sched.density == pytest.approx(0.1, abs=0.01)
 
 
+def test_gradual_magnitude_on_the_block_format_follows_the_masked_format():
+    """The block format shrinks its storage with the count (values and Adam moments gathered at the new count, the
+    metadata rebuilt): the same masks at every update as the masked format, the same weights, and after the last
+    update values, moments and metadata sized for the final count."""
+    runs = {}
+    for fmt in ("masked", "block"):
+        sched = GradualMagnitude(initial_density=1.0, num_updates=6, start=0.0, end=0.5)
+        runs[fmt] = _run(sched, steps=20, density=0.25, block=16, fmt=fmt)
+    (m_model, m_layers, _, m_records), (b_model, b_layers, b_optim, b_records) = runs["masked"], runs["block"]
+    assert [(s, r) for s, r, _ in b_records if r] == [(s, r) for s, r, _ in m_records if r]   # same pruned counts
+    for (_, _, mb), (_, _, bb) in zip(m_records, b_records, strict=True):
+        assert all(torch.equal(mb[n], bb[n]) for n in mb)                                    # same masks each step
+    for n, layer in b_layers.items():
+        k = n_active_blocks((layer.out_features, layer.in_features), layer.block, 0.25)
+        assert layer.n_active == k and layer.values.shape == (k, 16, 16) and layer.storage.meta(layer).n_blocks == k
+        state = b_optim.state[layer.values]
+        assert state["exp_avg"].shape == state["exp_avg_sq"].shape == layer.values.shape
+        torch.testing.assert_close(layer.dense_weight(), m_layers[n].dense_weight(), rtol=1e-4, atol=1e-5)
+
+
 def test_sparse_then_dense_switches_without_rebuilding_optimizer():
     sched = SparseThenDense(sparse_fraction=0.5)
     model, layers, optim = _setup(sched, density=1.0, block=1, fmt="masked_st", steps=10)

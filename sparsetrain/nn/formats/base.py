@@ -102,6 +102,10 @@ class WeightFormat:
         None (not graph-safe)."""
         return None
 
+    def shrink(self, layer: nn.Module, new_mask: Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Keep the active blocks of ``new_mask`` (a subset of the mask). Default: :meth:`set_mask`."""
+        self.set_mask(layer, new_mask, optimizer)
+
     def new_probe(self, layer: nn.Module) -> Tensor | None:
         """A leaf whose gradient becomes the dense weight gradient while ``layer.capture_dense_grad`` is on (no
         Python hook: a compiled or replayed step fills it), or None where the format fills ``dense_grad`` by a

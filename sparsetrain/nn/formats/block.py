@@ -205,6 +205,35 @@ class BlockFormat(WeightFormat):
         if not meta.rewrite_(new_mask):   # in place where every kept table can follow
             self._install_meta(layer, self._build_meta(layer, new_mask, dev))
 
+    def shrink(self, layer, new_mask, optimizer=None):
+        """Gradual pruning: keep the active blocks of ``new_mask``, a subset of the mask. The values and each
+        moment of the optimizer state are gathered into tensors of the new count (the same Parameter, new
+        storage) and the metadata is built anew: its kernel plans are chosen again for the new shapes, a CUDA
+        graph of the step is captured again, a compiled model compiles once more (then with the count dynamic).
+        One host sync (the new count)."""
+        dev, old = layer.mask.device, layer.mask
+        new_mask = new_mask.to(dev, torch.bool)
+        n = int(new_mask.sum())
+        if n == self.meta(layer).n_blocks:
+            return self.set_mask(layer, new_mask, optimizer)
+        if n == 0 or bool((new_mask & ~old).any()):
+            raise ValueError("shrink_to keeps a non-empty subset of the active blocks; the new mask has "
+                             f"{n} active blocks" + (", some of them not active now" if n else ""))
+        if is_sharded(layer.values):
+            raise ValueError("the block format cannot change its active count while its values are sharded "
+                             "(FSDP): gradual pruning needs sparsity.format=masked there")
+        keep = moved_slots(old, new_mask, n)   # every kept block's slot in the old values
+        with torch.no_grad():
+            state = optimizer.state.get(layer.values) if optimizer is not None else None
+            for key, v in list((state or {}).items()):
+                if torch.is_tensor(v) and v.shape == layer.values.shape:
+                    state[key] = v.index_select(0, keep)
+            grad = layer.values.grad
+            layer.values.data = layer.values.data.index_select(0, keep)
+            layer.values.grad = None if grad is None else grad.index_select(0, keep)
+            layer.mask.copy_(new_mask)
+        self._install_meta(layer, self._build_meta(layer, new_mask, dev))
+
     def set_masks(self, layers: list[SparseLinear], new_masks: Tensor, optimizer=None) -> None:
         """:meth:`set_mask` of ``layers`` (equal :meth:`graph_batch_key`) to ``new_masks [L, R, C]`` together, each
         step once for all of them: the block moves of the values and of each moment in one gather, the masks and
