@@ -168,7 +168,7 @@ def test_gradual_magnitude_on_the_block_format_follows_the_masked_format():
     for fmt in ("masked", "block"):
         sched = GradualMagnitude(initial_density=1.0, num_updates=6, start=0.0, end=0.5)
         runs[fmt] = _run(sched, steps=20, density=0.25, block=16, fmt=fmt)
-    (m_model, m_layers, _, m_records), (b_model, b_layers, b_optim, b_records) = runs["masked"], runs["block"]
+    (_, m_layers, _, m_records), (_, b_layers, b_optim, b_records) = runs["masked"], runs["block"]
     assert [(s, r) for s, r, _ in b_records if r] == [(s, r) for s, r, _ in m_records if r]   # same pruned counts
     for (_, _, mb), (_, _, bb) in zip(m_records, b_records, strict=True):
         assert all(torch.equal(mb[n], bb[n]) for n in mb)                                    # same masks each step
