@@ -211,6 +211,25 @@ def test_block_graph_kept_across_updates_replays_the_new_topology(tmp_path, make
     torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=tol, atol=tol)
 
 
+@pytest.mark.gpu
+def test_gradual_pruning_on_the_block_format_captures_again_after_each_shrink(tmp_path):
+    """Each shrink rebuilds the block format's storage (new values storage, new index tensors): the graph is
+    captured again after it, never kept, and the run trains like eager steps (the same masks, the same losses)."""
+    from sparsetrain.sparsity import GradualMagnitude
+
+    def make():
+        return GradualMagnitude(initial_density=1.0, num_updates=3, start=0.0, end=0.5)
+
+    eager, eager_losses, eager_sig = _run(tmp_path, "eager", make(), False, "block")
+    graph, graph_losses, graph_sig = _run(tmp_path, "graph", make(), True, "block")
+    shrinks = [r for r in read_metrics(tmp_path / "graph") if r.get("event") == "mask_update" and r["pruned"]]
+    assert len(shrinks) >= 2
+    # captured again after every shrink (one before the first capture, in the warm-up steps, needs none)
+    assert len(shrinks) <= graph["graph_captures"] <= 1 + len(shrinks) and graph["graphs_kept"] == 0
+    assert eager_sig == graph_sig
+    torch.testing.assert_close(torch.tensor(graph_losses), torch.tensor(eager_losses), rtol=2e-4, atol=2e-4)
+
+
 def _check_layers_compute_their_topology(model) -> None:
     """Each block layer's metadata, with the plans kept on it through the run's in-place rewrites, computes the
     layer's current topology: one fwd+bwd on fresh random inputs against the float32 reference."""
