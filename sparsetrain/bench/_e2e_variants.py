@@ -42,8 +42,11 @@ DEFAULT_VARIANTS = {
     "vit": (Variant("dense", "vit_base_dense"), Variant("static_b64", "vit_base_static", ("sparsity.block=64",)),
             Variant("static_b16", "vit_base_static"),
             Variant("semi24", "vit_24_sparse_then_dense", ("model=vit_base", "sparsity.scheduler.sparse_fraction=1.0"))),
+    "vit_large": (Variant("dense", "vit_large_dense"),
+                  Variant("static_b64", "vit_large_static", ("sparsity.block=64",)),
+                  Variant("static_b16", "vit_large_static"), Variant("dynamic_b16", "vit_large_dynamic")),
 }
-DEFAULT_BATCH = {"bert": 256, "bert_large": 256, "vit": 256}
+DEFAULT_BATCH = {"bert": 256, "bert_large": 256, "vit": 256, "vit_large": 128}
 
 
 # ---- what each run is -----------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from sparsetrain.bench._e2e_variants import DEFAULT_BATCH, DEFAULT_VARIANTS, MOD
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sparsetrain bench e2e", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", choices=sorted(DEFAULT_VARIANTS), default="bert", help="bert (BERT-base), bert_large, vit")
+    p.add_argument("--model", choices=sorted(DEFAULT_VARIANTS), default="bert", help="bert (BERT-base), bert_large, vit (ViT-B/16), vit_large")
     p.add_argument("--variants", help="comma separated (default: the model's variants and every --recipe-map)")
     p.add_argument("--recipe-map", action="append", default=[], type=Variant.parse, metavar="NAME=RECIPE[:OVR]",
                    help="add or replace a variant: a recipe and space-separated overrides")
