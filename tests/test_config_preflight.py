@@ -191,10 +191,11 @@ def test_flops_names_the_update_cost_only_for_a_dense_gradient_policy(capsys):
 
 
 def test_a_recipe_s_own_sweep_grid_is_validated_too(tmp_path, capsys):
-    # pareto_bert_small keeps its grid in hydra.sweeper.params; forcing the block format makes its block-1 and
-    # gradual points invalid, which must stop the sweep before any run starts
+    # pareto_bert_small keeps its grid in hydra.sweeper.params; forcing a straight-through format makes its
+    # gradual points invalid (that format cannot shrink), which must stop the sweep before any run starts
     sweep = tmp_path / "multirun"
-    rc = cli.main(["train", "-m", "recipe=pareto_bert_small", "sparsity.format=block", f"hydra.sweep.dir={sweep}"])
+    rc = cli.main(["train", "-m", "recipe=pareto_bert_small", "sparsity.format=masked_st",
+                   f"hydra.sweep.dir={sweep}"])
     assert rc == 2 and not sweep.exists()
     assert capsys.readouterr().err.startswith("error: sparsity.")
     # the command line wins per key: the same grid restricted to valid points passes
