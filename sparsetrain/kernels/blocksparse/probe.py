@@ -8,12 +8,11 @@ micro-batches into ``probe.grad``; ``torch.compile`` sees an opaque custom op; a
 replays into the same ``probe.grad`` tensor. The backward costs one dense matmul more than the plain layer's, and
 takes the block gradient from it instead of running the sampled kernel.
 
->>> from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
+>>> from sparsetrain.kernels.blocksparse import BlockSparseMeta, block_sparse_linear
 >>> meta = BlockSparseMeta.from_mask(torch.tensor([[True, False]]), 16)     # W is 16 x 32, one block active
 >>> probe = new_probe(16, 32, torch.device("cpu"))
->>> x = torch.randn(5, 32)
->>> y = ProbedFn.apply(x, torch.randn(1, 16, 16, requires_grad=True), None, probe, meta)
->>> y.sum().backward()
+>>> values = torch.randn(1, 16, 16, requires_grad=True)
+>>> block_sparse_linear(torch.randn(5, 32), values, meta, dense_grad_probe=probe).sum().backward()
 >>> probe.grad.shape, bool((probe.grad[:, 16:] != 0).any())               # inactive block's gradient too
 (torch.Size([16, 32]), True)
 """
