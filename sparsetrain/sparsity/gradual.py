@@ -1,6 +1,8 @@
 """Gradual magnitude pruning (Zhu & Gupta 2017): the active count shrinks along a cubic schedule."""
 from __future__ import annotations
 
+import torch
+
 from sparsetrain.sparsity.layout import check_density, n_active_blocks, to_scores_grid
 from sparsetrain.sparsity.policies import Magnitude
 from sparsetrain.sparsity.schedulers import SparsityScheduler, _check_fraction
@@ -43,6 +45,12 @@ class GradualMagnitude(SparsityScheduler):
                                  f"weights stay zero, such as sparsity.format=masked (layer {name} uses "
                                  f"{layer.format_name!r})")
             self.targets.setdefault(name, layer.density)
+        if any(layer.caps.keeps_count for layer in self.layers.values()):
+            # the block format rebuilds its storage at each new count: under torch.compile the count must be able
+            # to become a dynamic size (module parameter and buffer shapes are static by default, and each count
+            # would recompile, past dynamo's limit running uncompiled). Set before the model is compiled.
+            torch._dynamo.config.force_parameter_static_shapes = False
+            torch._dynamo.config.force_nn_module_property_static_shapes = False
         self.schedule = self.update_schedule(self.total_steps)
         s, e = self.schedule.start, self.schedule.end
         self.cubic = {name: CubicDensity(self.initial_density(t), t, s, e) for name, t in self.targets.items()}

@@ -163,3 +163,36 @@ def test_a_compiled_training_run_with_updates_recompiles_nothing_and_tracks_eage
     assert [s for s, _ in losses] == list(range(1, 9))
     for (_, got), (_, ref) in zip(losses, want, strict=True):
         assert got == pytest.approx(ref, rel=1e-4, abs=1e-4)
+
+
+def test_gradual_pruning_on_the_block_format_compiles_at_most_once_more_and_tracks_eager(tmp_path, monkeypatch):
+    """Gradual pruning shrinks the block format's storage at each update (new sizes for the values and the index
+    tensors): the compiled model recompiles once, with the count a dynamic size, not once per count (past dynamo's
+    recompile limit the step would run uncompiled), and its losses follow the uncompiled run's."""
+    from sparsetrain.sparsity import GradualMagnitude
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compile_(model, mode=mode, backend="aot_eager"))
+
+    def run(name: str, compiled: bool) -> list[dict]:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        args = TrainArgs(max_steps=10, batch_size=4, eval_every=0, log_every=1, device="cpu", progress=False,
+                         plot=False, compile=compiled)
+        spec = _run_spec("block", args)
+        spec.scheduler = GradualMagnitude(initial_density=1.0, num_updates=5, start=0.0, end=0.8)
+        with torch._dynamo.config.patch(error_on_recompile=False, force_parameter_static_shapes=True,
+                                        force_nn_module_property_static_shapes=True):
+            train(spec, tmp_path / name)
+        return read_metrics(tmp_path / name)
+
+    compiled = run("compiled", True)
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    eager = run("eager", False)
+    shrinks = [r["step"] for r in compiled if r.get("event") == "mask_update" and r["pruned"]]
+    assert len(shrinks) >= 4 and shrinks == [r["step"] for r in eager if r.get("event") == "mask_update" and r["pruned"]]
+    assert frames <= 2, f"{frames} compiled frames for {len(shrinks)} counts"
+    for got, ref in zip([r["loss"] for r in compiled if "loss" in r], [r["loss"] for r in eager if "loss" in r],
+                        strict=True):
+        assert got == pytest.approx(ref, rel=1e-4, abs=1e-4)

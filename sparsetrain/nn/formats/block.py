@@ -233,6 +233,11 @@ class BlockFormat(WeightFormat):
             layer.values.grad = None if grad is None else grad.index_select(0, keep)
             layer.mask.copy_(new_mask)
         self._install_meta(layer, self._build_meta(layer, new_mask, dev))
+        # torch.compile keeps a module's parameter and buffer shapes static: each new count would recompile (and
+        # past dynamo's recompile limit the step would run uncompiled). Let the count become a dynamic size after
+        # its first change (process-wide; shapes that never change are unaffected)
+        torch._dynamo.config.force_parameter_static_shapes = False
+        torch._dynamo.config.force_nn_module_property_static_shapes = False
 
     def set_masks(self, layers: list[SparseLinear], new_masks: Tensor, optimizer=None) -> None:
         """:meth:`set_mask` of ``layers`` (equal :meth:`graph_batch_key`) to ``new_masks [L, R, C]`` together, each
