@@ -337,8 +337,7 @@ def _check(x: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | None
         raise TypeError(f"x must be a floating-point tensor, got {getattr(x, 'dtype', type(x))}")
     if x.dim() < 1 or x.shape[-1] != meta.in_features:
         raise ValueError(f"x has shape {tuple(x.shape)}; its last dimension must be in_features={meta.in_features}")
-    # compiled: the count as an index tensor's size (a size dynamo can make dynamic; an int attribute stays static,
-    # so gradual pruning's every new count would recompile)
+    # compiled: the count as an index tensor's size (dynamic under gradual pruning; an int attribute stays static)
     want = (meta.col_idx.shape[0] if _dynamo_compiling() else meta.n_blocks, meta.block_rows, meta.block_cols)
     if not isinstance(values, Tensor) or tuple(values.shape) != want:
         raise ValueError(f"values has shape {tuple(getattr(values, 'shape', ()))}, expected {want}")
