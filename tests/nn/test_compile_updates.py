@@ -125,6 +125,13 @@ def _run_spec(fmt: str, args: TrainArgs, policy: str = "set") -> RunSpec:
     )
 
 
+def _compile_with_aot_eager(monkeypatch) -> None:
+    """The loop's torch.compile with the aot_eager backend, and the block format on its plain-torch path."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compile_(model, mode=mode, backend="aot_eager"))
+
+
 @pytest.mark.parametrize("fmt,policy", [("block", "set"), ("masked", "set"), ("block", "rigl")])
 def test_a_compiled_training_run_with_updates_recompiles_nothing_and_tracks_eager(fmt, policy, tmp_path,
                                                                                   monkeypatch):
@@ -133,9 +140,7 @@ def test_a_compiled_training_run_with_updates_recompiles_nothing_and_tracks_eage
     forward from step 2 on, the same masks (pruned counts per update) and the losses of the uncompiled run
     (aot_eager draws dropout as eager does). RigL's grow steps read dense gradients through the compiled
     forward (the block format: a second graph, one recompile in the run; the masked format: a graph break)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compile_(model, mode=mode, backend="aot_eager"))
+    _compile_with_aot_eager(monkeypatch)
 
     def run(name: str, compiled: bool) -> list[dict]:
         torch._dynamo.reset()
@@ -171,9 +176,7 @@ def test_gradual_pruning_on_the_block_format_compiles_at_most_once_more_and_trac
     recompile limit the step would run uncompiled), and its losses follow the uncompiled run's."""
     from sparsetrain.sparsity import GradualMagnitude
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compile_(model, mode=mode, backend="aot_eager"))
+    _compile_with_aot_eager(monkeypatch)
 
     def run(name: str, compiled: bool) -> list[dict]:
         torch._dynamo.reset()
