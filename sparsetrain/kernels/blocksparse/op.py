@@ -37,8 +37,9 @@ from sparsetrain.kernels.blocksparse.meta import BlockSparseMeta
 from sparsetrain.kernels.blocksparse.plans import dds as _dds
 from sparsetrain.kernels.blocksparse.plans import dds_planned, run_dw, sampled_grad_planned
 from sparsetrain.kernels.blocksparse.plans import sampled_grad as _sampled_grad
-from sparsetrain.kernels.blocksparse.probe import ProbedFn
-from sparsetrain.kernels.blocksparse.reference import _blocks, dense_to_values, values_to_dense
+from sparsetrain.kernels.blocksparse.probe import ProbedFn, grads_with_dense
+from sparsetrain.kernels.blocksparse.probe import as_operand as _as_operand
+from sparsetrain.kernels.blocksparse.reference import _blocks, values_to_dense
 from sparsetrain.kernels.blocksparse.registry import _meta_for, op_meta_args
 from sparsetrain.kernels.blocksparse.testing import HOOKS
 from sparsetrain.kernels.blocksparse.tuner import GENERATION, interpreting
@@ -75,13 +76,13 @@ def _backward(x2d: Tensor, values: Tensor, dy: Tensor, meta: BlockSparseMeta,
     """``(dx, dvalues, dbias)`` of :class:`BlockSparseLinearFn` (``values``: as the forward multiplied them)."""
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
+    if hook is not None:   # one dense matmul, only on capture steps
+        dx, dv, db32, dense = grads_with_dense(x2d, values, dy, meta, need_x, need_v, need_b, values_dtype)
+        hook(dense)
+        return dx, dv, (db32.to(bias_dtype) if need_b else None)
     dx = _dds(dy, values, meta, None, forward=False) if need_x else None
     dv = db = None
-    if hook is not None:
-        dense = torch.mm(dy.t(), x2d).float()  # one dense matmul, only on capture steps
-        hook(dense)
-        dv = dense_to_values(dense, meta).to(values_dtype) if need_v else None
-    elif need_v:
+    if need_v:
         dv, db32 = _sampled_grad(x2d, dy, meta, with_bias=need_b, out_dtype=values_dtype)
         if dv.dtype != values_dtype:  # only when the token reduction was split (float32 partial sums)
             dv = dv.to(values_dtype)
@@ -193,14 +194,6 @@ def _bs_linear_op(x: Tensor, values: Tensor, bias: Tensor | None, row_ptr: Tenso
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
     values = _as_operand(values, x)
     return _dds(x.reshape(-1, in_features), values, meta, bias, forward=True).view(*x.shape[:-1], out_features)
-
-
-def _as_operand(values: Tensor, a: Tensor) -> Tensor:
-    """The active blocks in the activations' 16-bit dtype (fp32 master values under autocast): one small cast
-    per op, where every kernel would otherwise read (or cast) the fp32 blocks once per token tile."""
-    if values.dtype != a.dtype and a.dtype in (torch.float16, torch.bfloat16):
-        return values.to(a.dtype)
-    return values
 
 
 @_bs_linear_op.register_fake

@@ -34,15 +34,18 @@ def new_probe(out_features: int, in_features: int, device: torch.device) -> Tens
     return one.as_strided((out_features, in_features), (0, 0)).detach().requires_grad_(True)
 
 
-def _operand(values: Tensor, a: Tensor) -> Tensor:
-    """The active blocks in the activations' 16-bit dtype (fp32 master values under autocast)."""
+def as_operand(values: Tensor, a: Tensor) -> Tensor:
+    """The active blocks in the activations' 16-bit dtype (fp32 master values under autocast): one small cast
+    per op, where every kernel would otherwise read (or cast) the fp32 blocks once per token tile."""
     return values.to(a.dtype) if values.dtype != a.dtype and a.dtype in (torch.float16, torch.bfloat16) else values
 
 
-def _grads(x2d: Tensor, values: Tensor, dy: Tensor, meta: BlockSparseMeta, need_x: bool, need_v: bool,
-           need_b: bool, values_dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
-    """``(dx, dvalues, dbias float32, dense dW float32)``; ``values`` as the forward multiplied them. The dense
-    product is the one the hook path computes (the same matmul in the activations' dtype, then float32)."""
+def grads_with_dense(x2d: Tensor, values: Tensor, dy: Tensor, meta: BlockSparseMeta, need_x: bool, need_v: bool,
+                     need_b: bool, values_dtype: torch.dtype
+                     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor]:
+    """``(dx, dvalues, dbias float32, dense dW float32)`` of a step that captures the dense gradient (the probe's
+    backward and the hook path of :mod:`.op`); ``values`` as the forward multiplied them. One dense matmul in the
+    activations' dtype, then float32; the block gradient is gathered from it."""
     dense = torch.mm(dy.t(), x2d).float()
     dx = _dds(dy, values, meta, None, forward=False) if need_x else None
     dv = dense_to_values(dense, meta).to(values_dtype) if need_v else None
@@ -56,7 +59,7 @@ class ProbedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d: Tensor, values: Tensor, bias: Tensor | None, probe: Tensor, meta: BlockSparseMeta) -> Tensor:
         ctx.dtypes = (values.dtype, None if bias is None else bias.dtype)
-        values = _operand(values, x2d)
+        values = as_operand(values, x2d)
         ctx.save_for_backward(x2d, values)
         ctx.meta = meta
         return _dds(x2d, values, meta, bias, forward=True)
@@ -65,7 +68,8 @@ class ProbedFn(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         x2d, values = ctx.saved_tensors
         need_x, need_v, need_b = ctx.needs_input_grad[:3]
-        dx, dv, db, dense = _grads(x2d, values, dy.contiguous(), ctx.meta, need_x, need_v, need_b, ctx.dtypes[0])
+        dx, dv, db, dense = grads_with_dense(x2d, values, dy.contiguous(), ctx.meta, need_x, need_v, need_b,
+                                             ctx.dtypes[0])
         return dx, dv, (db.to(ctx.dtypes[1]) if need_b else None), dense, None
 
 
@@ -75,7 +79,7 @@ def _probed_op(x: Tensor, values: Tensor, bias: Tensor | None, probe: Tensor, ro
                row_idx: Tensor, col_ptr: Tensor, t_row_idx: Tensor, t_slot: Tensor, out_features: int,
                in_features: int, block: int) -> Tensor:
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
-    y = _dds(x.reshape(-1, in_features), _operand(values, x), meta, bias, forward=True)
+    y = _dds(x.reshape(-1, in_features), as_operand(values, x), meta, bias, forward=True)
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -94,7 +98,7 @@ def _probed_backward_op(dy: Tensor, x: Tensor, values: Tensor, row_ptr: Tensor, 
     meta = _meta_for((row_ptr, col_idx, row_idx, col_ptr, t_row_idx, t_slot), out_features, in_features, block)
     lead = dy.shape[:-1]
     dy2, x2 = dy.reshape(-1, out_features).contiguous(), x.reshape(-1, in_features)
-    dx, dv, db, dense = _grads(x2, _operand(values, dy2), dy2, meta, need_x, need_v, need_b, values.dtype)
+    dx, dv, db, dense = grads_with_dense(x2, as_operand(values, dy2), dy2, meta, need_x, need_v, need_b, values.dtype)
     return (dx.view(*lead, in_features) if need_x else dy.new_empty(0), dv if need_v else values.new_empty(0),
             db if need_b else dy.new_empty(0, dtype=torch.float32), dense)
 
