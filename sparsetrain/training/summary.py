@@ -28,4 +28,5 @@ def run_summary(trainer: Any, masks_identical: bool | None) -> dict[str, Any]:
         "flops_per_step_dense": trainer.flops.dense_total, "flops_per_step_sparse": trainer.flops.sparse_total,
         "step_mode": "cuda_graph" if trainer.run_step.graph_mode else "eager", **trainer.run_step.stats(),
         "kernel_choices": blocksparse_tuner.choice_counts(),   # tuned block-sparse products per backend
+        "kernel_choices_estimated": blocksparse_tuner.estimated_count(),   # of them, not timed (gradual pruning)
     }

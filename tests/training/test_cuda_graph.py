@@ -217,11 +217,11 @@ def test_gradual_pruning_on_the_block_format_captures_again_after_each_shrink(tm
     captured again after it, never kept, and the run trains like eager steps (the same masks, the same losses)."""
     from sparsetrain.sparsity import GradualMagnitude
 
-    def make():
-        return GradualMagnitude(initial_density=1.0, num_updates=3, start=0.0, end=0.5)
+    def make():  # 24 steps: shrinks at steps 6, 12, 18 (and 24), each followed by room for a capture
+        return GradualMagnitude(initial_density=1.0, num_updates=3, start=0.0, end=1.0)
 
-    eager, eager_losses, eager_sig = _run(tmp_path, "eager", make(), False, "block")
-    graph, graph_losses, graph_sig = _run(tmp_path, "graph", make(), True, "block")
+    eager, eager_losses, eager_sig = _run(tmp_path, "eager", make(), False, "block", max_steps=24)
+    graph, graph_losses, graph_sig = _run(tmp_path, "graph", make(), True, "block", max_steps=24)
     shrinks = [r for r in read_metrics(tmp_path / "graph") if r.get("event") == "mask_update" and r["pruned"]]
     assert len(shrinks) >= 2
     # captured again after every shrink (one before the first capture, in the warm-up steps, needs none)

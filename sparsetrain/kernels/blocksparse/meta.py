@@ -77,6 +77,8 @@ class BlockSparseMeta:
     _scratch: dict = field(default_factory=dict, repr=False)
     # rewrites_in_place's answer and the kept entries it was given for (by identity; a dict's entries too)
     _fits: tuple = field(default=(), repr=False)
+    #: plans for this topology are chosen from the timings of the nearest density measured (gradual pruning)
+    estimate_plans: bool = field(default=False, repr=False)
 
     TENSORS: ClassVar[tuple[str, ...]] = ("row_ptr", "col_idx", "row_idx", "col_ptr", "t_row_idx", "t_slot")
 

@@ -121,7 +121,7 @@ def _tune_dds(a: Tensor, values: Tensor, meta: BlockSparseMeta, bias: Tensor | N
     key = (B, _pow2(T), meta.in_features if forward else meta.out_features, out.shape[1],
            tuner.density_bucket(meta), a.dtype, values.dtype, has_bias)
     kept = set(meta._groups)
-    cfg = tuner.pick(p.kind, key, a.device, tuner.candidates(p), launch)
+    cfg = tuner.pick(p.kind, key, a.device, tuner.candidates(p), launch, meta.estimate_plans)
     if epi:  # the chosen plan is built again, with the epilogue
         built.pop(tuner.config_key(cfg), None)
         p = Product(p.kind, meta, a, values, has_bias, epi)
@@ -220,7 +220,7 @@ def sampled_grad_planned(x: Tensor, dy: Tensor, meta: BlockSparseMeta, with_bias
         key = (meta.block, _pow2(T), meta.in_features, meta.out_features, tuner.density_bucket(meta), x.dtype,
                out_dtype, with_bias)
         kept = set(meta._groups)
-        cfg = tuner.pick("dw", key, dev, tuner.candidates(p), launch)
+        cfg = tuner.pick("dw", key, dev, tuner.candidates(p), launch, meta.estimate_plans)
         plan = _chosen_plan(meta, kept, built, cfg, p)
         if T > 0 and _may_cache(dev):
             _keep_plan(meta, pkey, plan)
@@ -280,7 +280,7 @@ def _tuned_parts(pkey: tuple, p: Product, key: tuple, run, keep: bool = True):
         return run(built[k])
 
     kept = set(p.meta._groups)
-    cfg = tuner.pick(p.kind, key, p.a.device, tuner.candidates(p), launch)
+    cfg = tuner.pick(p.kind, key, p.a.device, tuner.candidates(p), launch, p.meta.estimate_plans)
     plan = _chosen_plan(p.meta, kept, built, cfg, p)
     if keep and _may_cache(p.a.device):
         _keep_plan(p.meta, pkey, plan)

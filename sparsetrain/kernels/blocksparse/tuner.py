@@ -146,6 +146,7 @@ def _forget() -> None:
     _GENERATION[0] += 1
     _TUNED.clear()
     _TIMED.clear()
+    _ESTIMATED.clear()
 
 
 def interpreting() -> bool:
@@ -231,10 +232,12 @@ def _config_types() -> dict[type, str]:
     return {t: b.name for t, b in _BY_CONFIG.items()}
 
 
-def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: Callable[[object], object]):
+def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: Callable[[object], object],
+         estimate: bool = False):
     """The config for product ``kind`` at shape ``key``: forced, else (timed once per key and kept, in this
     process and on disk) the fastest of ``cands``; ``launch(config)`` must run the whole product. Where nothing
-    can be timed, ``cands[0]``."""
+    can be timed, ``cands[0]``. ``estimate``: where the key is not on disk but the same product was timed at
+    another density, nothing is timed (:func:`_estimate`)."""
     forced = HOOKS.forced.get(kind)
     if forced is not None:
         return forced
@@ -254,6 +257,8 @@ def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: C
         if hit is not None and any(config_key(c) == config_key(hit[0]) for c in cands):
             _TUNED[full], _TIMED[full] = hit
             return hit[0]
+    if estimate and (guess := _estimate(kind, key, cands)) is not None:
+        return guess
     timed = time_candidates(kind, key, cands, launch, timer or _do_bench, check=timer is None)
     if not timed:
         raise RuntimeError(f"no {kind} kernel configuration could run for {key}")
@@ -262,6 +267,42 @@ def pick(kind: str, key: tuple, device: torch.device, cands: Sequence, launch: C
     if disk_key:
         kept.store(disk_key, best, timed, _config_types())
     return best
+
+
+#: Where the density bucket sits in a product's key (plans.py: block, tokens, the two widths, the bucket, ...).
+BUCKET = 4
+_ESTIMATED: set[tuple] = set()   # kept choices that were estimated, not timed
+
+
+def _estimate(kind: str, key: tuple, cands: Sequence):
+    """The choice for ``key`` from the timings of the same product at the nearest density timed in this process
+    (or read from disk): each block kernel's time scaled by the ratio of the densities (its work is the active
+    blocks), the dense fallback's kept, then :func:`choose`. None where no such timing exists. Gradual pruning's
+    new counts are planned this way inside training, which then times nothing (the estimate is not written to
+    disk)."""
+    tail, n, near = option_key(), len(key), None
+    for full, timed in _TIMED.items():
+        k = full[1:1 + n]
+        if (full in _ESTIMATED or full[0] != kind or full[1 + n:] != tail or len(k) != n
+                or k[:BUCKET] != key[:BUCKET] or k[BUCKET + 1:] != key[BUCKET + 1:]):
+            continue
+        if near is None or abs(k[BUCKET] - key[BUCKET]) < abs(near[0] - key[BUCKET]):
+            near = k[BUCKET], timed
+    if near is None:
+        return None
+    offered, scale = {config_key(c) for c in cands}, 2.0 ** ((near[0] - key[BUCKET]) / 2)
+    timed = [(c, ms if backend_of(c).fallback else ms * scale) for c, ms in near[1] if config_key(c) in offered]
+    if not timed:
+        return None
+    full = (kind, *key, *tail)
+    _TUNED[full], _TIMED[full] = choose(timed), timed
+    _ESTIMATED.add(full)
+    return _TUNED[full]
+
+
+def estimated_count() -> int:
+    """How many kept choices were estimated from another density's timings rather than timed."""
+    return len(_ESTIMATED)
 
 
 #: Largest relative difference (Frobenius) between a candidate's result and the first candidate's that still
@@ -344,6 +385,8 @@ def dense_fallback_report(tuned: dict | None = None, timed: dict | None = None) 
     tuned, timed = _TUNED if tuned is None else tuned, _TIMED if timed is None else timed
     rows = []
     for key, times in timed.items():
+        if key in _ESTIMATED:
+            continue
         dense = [ms for cfg, ms in times if backend_of(cfg).fallback]
         kernels = [ms for cfg, ms in times if not backend_of(cfg).fallback]
         if dense and kernels:

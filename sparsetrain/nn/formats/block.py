@@ -232,7 +232,9 @@ class BlockFormat(WeightFormat):
             layer.values.data = layer.values.data.index_select(0, keep)
             layer.values.grad = None if grad is None else grad.index_select(0, keep)
             layer.mask.copy_(new_mask)
-        self._install_meta(layer, self._build_meta(layer, new_mask, dev))
+        meta = self._build_meta(layer, new_mask, dev)
+        meta.estimate_plans = True   # chosen without timing anything in the step (tuner.pick)
+        self._install_meta(layer, meta)
         # torch.compile keeps a module's parameter and buffer shapes static: each new count would recompile (and
         # past dynamo's recompile limit the step would run uncompiled). Let the count become a dynamic size after
         # its first change (process-wide; shapes that never change are unaffected)

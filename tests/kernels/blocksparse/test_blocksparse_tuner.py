@@ -248,3 +248,52 @@ def test_a_candidate_whose_result_disagrees_is_never_chosen():
     assert timed == [("right", 2.0), ("close", 3.0)]
     assert sorted(str(w.message).split("'")[1] for w in caught) == ["partial", "wrong"]
     assert [c for c, _ in tuner.time_candidates("fwd", ("k",), cands, launch, timer, check=False)] == cands
+
+
+def test_a_shrunk_topology_is_planned_from_the_timings_of_another_density():
+    """Gradual pruning's new counts (metadata with ``estimate_plans``) time nothing: the choice comes from the same
+    product's timings at the nearest density timed, block kernels scaled by the density ratio, the dense fallback
+    kept. At full density the fallback wins by the margin; at a quarter the scaled block kernel does. Without the
+    flag (or with nothing timed yet) the new density is timed as before."""
+    calls, timed = [], []
+
+    def timer(cfg, launch):
+        timed.append(cfg)
+        return 1.0 if isinstance(cfg, ReferenceConfig) else 2.0
+
+    def layer(mask):
+        meta = BlockSparseMeta.from_mask(mask, 16)
+        values = torch.randn(meta.n_blocks, 16, 16) / 16
+        return meta, values
+
+    full = torch.ones(6, 4, dtype=torch.bool)
+    quarter = torch.zeros(6, 4, dtype=torch.bool)
+    quarter.view(-1)[torch.randperm(24)[:6]] = True
+    x, bias = torch.randn(21, 64), torch.randn(96)
+    register_backend(_reference_backend(calls, fallback=True))
+    try:
+        with use_timer(timer), torch.no_grad():
+            shrunk, shrunk_values = layer(quarter)
+            shrunk.estimate_plans = True
+            block_sparse_linear(x, shrunk_values, shrunk, bias)   # nothing timed at any density yet: timed
+            assert len(timed) == 2 and tuner.estimated_count() == 0
+            tuner._forget()
+            timed.clear(), calls.clear()
+            meta, values = layer(full)
+            block_sparse_linear(x, values, meta, bias)
+            assert len(timed) == 2 and calls == ["fwd"]           # dense 1.0 beats the kernel's 2.0 x 0.85
+            shrunk, shrunk_values = layer(quarter)
+            shrunk.estimate_plans = True
+            y = block_sparse_linear(x, shrunk_values, shrunk, bias)
+            assert len(timed) == 2 and tuner.estimated_count() == 1   # 2.0 x 1/4 = 0.5 < 1.0: the block kernel
+            assert calls == ["fwd"] and tuner.choice_counts() == {"reference": 1, "gather": 1}
+            w = values_to_dense(shrunk_values.double(), shrunk)
+            assert rel(y, x.double() @ w.t() + bias.double()) < 1e-3
+            assert [r["chosen"] for r in tuner.dense_fallback_report()] == ["dense"]   # measured rows only
+            tuner._forget()
+            block_sparse_linear(x, values, meta, bias)
+            again, again_values = layer(quarter)                   # not flagged: the new density is timed
+            block_sparse_linear(x, again_values, again, bias)
+            assert len(timed) == 6 and tuner.estimated_count() == 0
+    finally:
+        unregister_backend("reference")
