@@ -177,7 +177,7 @@ class TrainStep:
         otherwise :meth:`invalidate`. The tensors are held from the capture on, so an identity cannot be a
         freed tensor's reused id. ``update=False``: start-up work, not a mask update (not counted as one)."""
         kept = self._read_at_capture
-        if self._graph is not None and kept is not None:
+        if (self._graph is not None or self._grow is not None) and kept is not None:
             now = list(self.reads())
             if len(now) == len(kept) and all(t is k and t.data_ptr() == ptr for t, (k, ptr) in zip(now, kept)):
                 self.graphs_kept += update
@@ -220,8 +220,9 @@ class TrainStep:
     def _grow_step(self, batches: list[Batch]) -> Tensor:
         """A step whose layers capture their dense gradient. Where each of them takes a probe
         (``kernels/blocksparse/probe.py``) it runs the compiled model and, in a graph run, is replayed from a
-        second graph captured in the step graph's memory pool (the two never run at once and hand nothing to
-        each other through it): the first such step after a capture runs eagerly, the next is captured. Else
+        second graph that shares the step graph's memory pool (the two never run at once and hand nothing to
+        each other through it; :meth:`_capture_grow`): the first such step after a capture runs eagerly, the
+        next is captured. Else
         (a layer fills ``dense_grad`` by a Python hook) the uncompiled model runs eagerly."""
         probes = self.probes() if self.probes is not None else None
         if not probes:
@@ -264,7 +265,8 @@ class TrainStep:
         return self._capture_grow(None, probes) is not None
 
     def _capture_grow(self, batches: list[Batch] | None, probes: list[Tensor]) -> Tensor | None:
-        """Capture the grow step (in the step graph's pool) and replay it on ``batches``; ``None``: capture only
+        """Capture the grow step (the step graph captured again after it, in its pool) and replay it on
+        ``batches``; ``None``: capture only
         (start-up). Returns its loss, or None where the capture failed (nothing ran; later grow steps run
         eagerly)."""
         import time
@@ -273,10 +275,16 @@ class TrainStep:
         if batches is not None:
             self._load(batches)
         self.optimizer.zero_grad(set_to_none=True)
+        # captured first, in a pool of its own; the step graph is dropped and captured again in that pool by the
+        # next step: the grow variant's allocations are coarser (a fused projection's output in one piece, where
+        # the step writes three), so the step's fit in the blocks it leaves. The other way round the pool grew by
+        # 2.4 GB at BERT-base (new segments for what the step's pieces had split up).
+        self._graph, self._static_loss, self._read_at_capture = None, None, None
+        self._since_invalidate = self.warmup
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._graph.pool(), capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 loss = self._body(self._static)
         except Exception as e:   # nothing ran
             torch.cuda.synchronize()
@@ -288,6 +296,7 @@ class TrainStep:
                   f"eagerly".splitlines()[0], flush=True)
             return None
         self._grow = graph, loss, [(p, p.grad) for p in probes]
+        self._remember_reads()
         self.grow_captures += 1
         if batches is None:     # start-up: the gradients the capture allocated stay the graph's, unread
             self.optimizer.zero_grad(set_to_none=True)
@@ -326,10 +335,12 @@ class TrainStep:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
-            # a private pool per capture (the dropped graph's pool is freed); errors only for this thread's calls:
+            # a private pool per capture (the dropped graph's pool is freed), or the grow graph's where one is kept
+            # (_capture_grow); errors only for this thread's calls:
             # the batch threads pin memory meanwhile, which in the default global mode broke a capture at random
             # ("operation failed due to a previous error during capture", 1 of 5 graph runs on an H100)
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=None if self._grow is None else self._grow[0].pool(),
+                                  capture_error_mode="thread_local"):
                 loss = self._body(self._static)
         except Exception as e:
             torch.cuda.synchronize()

@@ -283,7 +283,9 @@ def test_two_gpu_graph_steps_train_like_ddp_eager_steps(gpu_runs, case):
     assert summary["ddp"]["step_mode"] == "eager" and summary["graph"]["step_mode"] == "cuda_graph"
     # every mask update either keeps the graph (its tables rewritten in place) or captures it again
     assert summary["graph"]["graph_captures"] >= 1
-    assert summary["graph"]["graph_captures"] + summary["graph"]["graphs_kept"] == 1 + updates
+    # (and each capture of RigL's grow graph, in a pool of its own, is followed by one of the step graph in it)
+    g = summary["graph"]
+    assert g["graph_captures"] - g.get("grow_captures", 0) + g["graphs_kept"] == 1 + updates
     assert summary["graph"]["graph_replays"] + summary["graph"]["eager_steps"] == 12
     assert summary["graph"]["graph_replays"] >= 12 - 2 * (1 + updates) - 1
     assert summary["graph"]["ranks_masks_identical"] is not False
