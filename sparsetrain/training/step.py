@@ -266,9 +266,8 @@ class TrainStep:
 
     def _capture_grow(self, batches: list[Batch] | None, probes: list[Tensor]) -> Tensor | None:
         """Capture the grow step (the step graph captured again after it, in its pool) and replay it on
-        ``batches``; ``None``: capture only
-        (start-up). Returns its loss, or None where the capture failed (nothing ran; later grow steps run
-        eagerly)."""
+        ``batches``; ``None``: capture only (start-up). Returns its loss, or None where the capture failed
+        (nothing ran; later grow steps run eagerly)."""
         import time
 
         t0 = time.perf_counter()
@@ -279,9 +278,9 @@ class TrainStep:
         # next step: the grow variant's allocations are coarser (a fused projection's output in one piece, where
         # the step writes three), so the step's fit in the blocks it leaves. The other way round the pool grew by
         # 2.4 GB at BERT-base (new segments for what the step's pieces had split up).
+        torch.cuda.synchronize()   # nothing of the step graph still runs when it is dropped
         self._graph, self._static_loss, self._read_at_capture = None, None, None
         self._since_invalidate = self.warmup
-        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
