@@ -6,7 +6,8 @@ Triton gather kernels, the dense cuBLAS fallback. For a :class:`Product` it offe
 (``candidates``) and builds the launch plan of one (``make_plan``). The tuner lists the candidates of every
 registered backend in registration order, times each once per shape key on the GPU and keeps the fastest;
 where nothing is timed (the Triton interpreter, CUDA-graph capture, :func:`~.testing.untuned`) the first
-candidate is the choice. Choices timed on a GPU are also kept on disk (``KernelOptions.tuning_cache``,
+candidate is the choice; where a topology was built by gradual pruning's shrink (``BlockSparseMeta.estimate_plans``)
+the choice comes from the same product's timings at another density (:func:`_estimate`). Choices timed on a GPU are also kept on disk (``KernelOptions.tuning_cache``,
 :mod:`sparsetrain.kernels._runtime.tuning_cache`), so a later process on the same GPU, software and kernel
 sources reuses them instead of timing again; under the test hooks nothing is read or written there. Adding a
 backend is a config type, two functions and one call::
