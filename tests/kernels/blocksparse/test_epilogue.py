@@ -104,9 +104,9 @@ def test_the_choice_is_the_plain_products_then_the_faster_form(monkeypatch):
     seen = []
     real = tuner.pick
 
-    def spy(kind, key, device, cands, launch):
+    def spy(kind, key, device, cands, launch, estimate=False):
         seen.append((kind, key))
-        return real(kind, key, device, cands, launch)
+        return real(kind, key, device, cands, launch, estimate)
 
     monkeypatch.setattr(tuner, "pick", spy)
     plans.dds(a, values, meta, bias, True)
