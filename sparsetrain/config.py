@@ -129,7 +129,7 @@ def _check_args(fn: Callable, kwargs: Any, key: str) -> None:
 
 
 # ---- validation -----------------------------------------------------------------------------------
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = preflight.COMPILE_MODES
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -171,10 +171,7 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "trainer.keep_checkpoints", 1)
     _int(cfg, "trainer.num_workers", 0)
     _choice(cfg, "trainer.mixed_precision", MIXED_PRECISION)
-    if not isinstance(cfg.trainer.get("compile", False), bool):
-        raise ConfigError("trainer.compile", f"must be true or false, got {cfg.trainer.compile!r}")
-    if cfg.trainer.get("compile_mode") is not None:
-        _choice(cfg, "trainer.compile_mode", COMPILE_MODES)
+    preflight.check_compile(cfg.trainer)
     _choice(cfg, "trainer.device", ("auto", "cpu", "cuda"))
     preflight.check_machine(cfg.trainer.device, cfg.trainer.mixed_precision)
     _check_cuda_graph(cfg)
@@ -430,7 +427,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         keep_checkpoints=t.keep_checkpoints, resume=t.resume, init_from=t.get("init_from"), device=t.device,
         num_workers=t.num_workers,
         compile=bool(t.get("compile", False)), compile_mode=t.get("compile_mode"),
-        cuda_graph=t.get("cuda_graph", False),
+        activation_memory_budget=float(t.get("activation_memory_budget", 1.0)), cuda_graph=t.get("cuda_graph", False),
         lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=float(o.min_lr_ratio),
         seed=int(cfg.seed), progress=bool(cfg.logger.progress), plot=bool(cfg.logger.plot),
         wandb=bool(cfg.logger.wandb.enabled), wandb_mode=str(cfg.logger.wandb.mode),

@@ -17,8 +17,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["BUILDERS", "ConfigError", "check_format_fits_scheduler", "check_layout", "check_machine",
-           "check_no_missing", "check_target_path", "resolve_target", "user_modules"]
+__all__ = ["BUILDERS", "COMPILE_MODES", "ConfigError", "check_compile", "check_format_fits_scheduler",
+           "check_layout", "check_machine", "check_no_missing", "check_target_path", "resolve_target",
+           "user_modules"]
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
 class ConfigError(ValueError):
@@ -36,6 +39,19 @@ def check_no_missing(cfg: DictConfig) -> None:
     missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not str(k).startswith("hydra."))
     if missing:
         raise ConfigError(missing[0], f"needs a value: add {missing[0]}=... to the command line")
+
+
+def check_compile(trainer: DictConfig) -> None:
+    """``trainer.compile`` (a bool), ``trainer.compile_mode`` (null or one of :data:`COMPILE_MODES`) and
+    ``trainer.activation_memory_budget`` (a number in (0, 1])."""
+    if not isinstance(trainer.get("compile", False), bool):
+        raise ConfigError("trainer.compile", f"must be true or false, got {trainer.compile!r}")
+    mode = trainer.get("compile_mode")
+    if mode is not None and mode not in COMPILE_MODES:
+        raise ConfigError("trainer.compile_mode", f"must be one of {list(COMPILE_MODES)}, got {mode!r}")
+    budget = trainer.get("activation_memory_budget", 1.0)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= 1:
+        raise ConfigError("trainer.activation_memory_budget", f"must be a number in (0, 1], got {budget!r}")
 
 
 def check_machine(device: str, mixed_precision: str, cuda_available: bool | None = None) -> None:

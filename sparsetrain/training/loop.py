@@ -53,6 +53,7 @@ from sparsetrain.training.setup import (
     TrainArgs,
     apply_optimizer_settings,
     build_model_and_data,
+    compile_settings,
     lr_scheduler,
     plan_kernel_dispatch,
 )
@@ -71,13 +72,15 @@ _STEP_SYNC_WITHOUT_GRAPH = False
 def train(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     """Run one training job described by ``spec`` into ``run_dir``; return the summary.
 
-    The run holds ``run_dir`` (run_lock.py) and its kernel options (``spec.train_args.kernels``) for the whole run,
-    both set once here and released when it ends.
+    The run holds ``run_dir`` (run_lock.py), its kernel options (``spec.train_args.kernels``) and its compile
+    settings (:func:`~sparsetrain.training.setup.compile_settings`) for the whole run, set once here and released
+    when it ends.
     """
     previous = set_kernel_options(spec.train_args.kernels)
     run = Trainer(spec, Path(run_dir))
     try:
-        with RunDirLock(run.run_dir, enabled=os.environ.get("RANK", "0") == "0"):  # the main process holds it
+        # the main process holds the run dir; the compile settings hold for the whole run
+        with RunDirLock(run.run_dir, enabled=os.environ.get("RANK", "0") == "0"), compile_settings(spec.train_args):
             run.setup()
             summary = run.fit()
     except RunStopped:

@@ -45,6 +45,9 @@ class TrainArgs:
     num_workers: int = 0
     compile: bool = False
     compile_mode: str | None = None
+    #: torch.compile: the share of the activations the compiled step keeps for its backward (1.0: as torch's
+    #: partitioner decides; lower recomputes cheap ops such as GELU and casts in the backward instead).
+    activation_memory_budget: float = 1.0
     #: Replay each training step from one CUDA graph: True, False or "auto" (see training/step.py).
     cuda_graph: bool | str = False
     lr_schedule: str = "cosine"
@@ -83,6 +86,14 @@ class RunSpec:
     method: str = "custom"
     config: dict = field(default_factory=dict)
     block_label: str = "1"
+
+
+def compile_settings(args: TrainArgs):
+    """A context holding the torch settings a compiled step is built under for a whole run (the model compiles
+    at its first compiled step): ``trainer.activation_memory_budget``."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=float(args.activation_memory_budget))
 
 
 def sparsify_model(model: nn.Module, scheduler, sparsify_kwargs: dict, format: str | None = None) -> dict:

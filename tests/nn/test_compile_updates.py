@@ -199,3 +199,61 @@ def test_gradual_pruning_on_the_block_format_compiles_at_most_once_more_and_trac
     for got, ref in zip([r["loss"] for r in compiled if "loss" in r], [r["loss"] for r in eager if "loss" in r],
                         strict=True):
         assert got == pytest.approx(ref, rel=1e-4, abs=1e-4)
+
+
+def test_a_lower_activation_memory_budget_keeps_less_for_the_backward_and_computes_the_same(monkeypatch):
+    """``trainer.activation_memory_budget`` (:func:`compile_settings`): at 0.5 the compiled step of a sparse
+    tiny BERT (block format, bf16 autocast) keeps under 80% of the bytes it keeps at 1.0 for its backward (the
+    partitioner recomputes GELU's output, casts and the like there: AOTAutograd's min-cut partitioner, as
+    inductor uses), and the loss and gradients are those of the budget 1.0 run."""
+    from sparsetrain.training.setup import compile_settings
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.manual_seed(0)
+    model = build_model("bert", "tiny", vocab_size=300, seq_len=64, num_hidden_layers=2)
+    sparsify(model, targets=["*encoder*"], density=0.5, block=16, format="block")
+    model.eval()   # no dropout: both runs compute the same function
+    ids = torch.randint(5, 300, (4, 64), generator=torch.Generator().manual_seed(1))
+    kept, results = {}, {}
+    for budget in (1.0, 0.5):
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with compile_settings(TrainArgs(activation_memory_budget=budget)):
+            compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+        kept[budget] = sum(sizes)
+        results[budget] = [loss.detach().float()] + [p.grad.float().clone() for p in model.parameters()
+                                                     if p.grad is not None]
+    assert torch._functorch.config.activation_memory_budget == 1.0   # released with the context
+    assert 0 < kept[0.5] < 0.8 * kept[1.0], kept
+    for a, b in zip(results[0.5], results[1.0], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_the_run_compiles_under_its_activation_memory_budget(tmp_path, monkeypatch):
+    """The loop holds ``trainer.activation_memory_budget`` while the model compiles (at its first compiled step)
+    and releases it when the run ends."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    seen = []
+    compile_ = torch.compile
+
+    def spy(gm, example_inputs):
+        seen.append(torch._functorch.config.activation_memory_budget)
+        return aot_autograd(fw_compiler=boxed_nop)(gm, example_inputs)
+
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compile_(model, mode=mode, backend=spy))
+    torch._dynamo.reset()
+    args = TrainArgs(max_steps=3, batch_size=4, eval_every=0, log_every=1, device="cpu", progress=False,
+                     plot=False, compile=True, activation_memory_budget=0.6)
+    train(_run_spec("block", args), tmp_path / "run")
+    assert seen and set(seen) == {0.6}
+    assert torch._functorch.config.activation_memory_budget == 1.0
