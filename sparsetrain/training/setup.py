@@ -90,10 +90,14 @@ class RunSpec:
 
 def compile_settings(args: TrainArgs):
     """A context holding the torch settings a compiled step is built under for a whole run (the model compiles
-    at its first compiled step): ``trainer.activation_memory_budget``."""
+    at its first compiled step): ``trainer.activation_memory_budget`` where it is below 1 (at 1, torch's own
+    setting stands, e.g. one a library user made)."""
+    import contextlib
+
     import torch._functorch.config as functorch_config
 
-    return functorch_config.patch(activation_memory_budget=float(args.activation_memory_budget))
+    budget = float(args.activation_memory_budget)
+    return contextlib.nullcontext() if budget == 1.0 else functorch_config.patch(activation_memory_budget=budget)
 
 
 def sparsify_model(model: nn.Module, scheduler, sparsify_kwargs: dict, format: str | None = None) -> dict:
