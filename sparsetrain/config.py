@@ -129,7 +129,6 @@ def _check_args(fn: Callable, kwargs: Any, key: str) -> None:
 
 
 # ---- validation -----------------------------------------------------------------------------------
-COMPILE_MODES = preflight.COMPILE_MODES
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 MIXED_PRECISION = ("no", "fp16", "bf16")
 LR_SCHEDULES = ("constant", "linear", "cosine")

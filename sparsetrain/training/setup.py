@@ -11,6 +11,7 @@ DictConfig. Runtime objects (the model, its parameters) are passed at the call s
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 
 from sparsetrain.kernels import KernelOptions
@@ -92,10 +94,6 @@ def compile_settings(args: TrainArgs):
     """A context holding the torch settings a compiled step is built under for a whole run (the model compiles
     at its first compiled step): ``trainer.activation_memory_budget`` where it is below 1 (at 1, torch's own
     setting stands, e.g. one a library user made)."""
-    import contextlib
-
-    import torch._functorch.config as functorch_config
-
     budget = float(args.activation_memory_budget)
     return contextlib.nullcontext() if budget == 1.0 else functorch_config.patch(activation_memory_budget=budget)
 

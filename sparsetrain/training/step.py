@@ -222,8 +222,8 @@ class TrainStep:
         (``kernels/blocksparse/probe.py``) it runs the compiled model and, in a graph run, is replayed from a
         second graph that shares the step graph's memory pool (the two never run at once and hand nothing to
         each other through it; :meth:`_capture_grow`): the first such step after a capture runs eagerly, the
-        next is captured. Else
-        (a layer fills ``dense_grad`` by a Python hook) the uncompiled model runs eagerly."""
+        next is captured. Else (a layer fills ``dense_grad`` by a Python hook) the uncompiled model runs
+        eagerly."""
         probes = self.probes() if self.probes is not None else None
         if not probes:
             return self._eager(batches, plain=True)
@@ -258,9 +258,7 @@ class TrainStep:
             loss = self.forward(self._static[0]).loss
         self.backward(loss)
         del loss   # its autograd graph holds the leaves' gradient accumulators: alive, they break the capture
-        self.optimizer.zero_grad(set_to_none=True)
-        for p in probes:
-            p.grad = None
+        self._drop_grads(probes)
         self._grow_warm = True
         return self._capture_grow(None, probes) is not None
 
@@ -287,9 +285,7 @@ class TrainStep:
                 loss = self._body(self._static)
         except Exception as e:   # nothing ran
             torch.cuda.synchronize()
-            self.optimizer.zero_grad(set_to_none=True)
-            for p in probes:
-                p.grad = None
+            self._drop_grads(probes)
             self._grow_failed = True
             print(f"warning: RigL's grow step could not be captured ({type(e).__name__}: {e}); it runs "
                   f"eagerly".splitlines()[0], flush=True)
@@ -298,14 +294,18 @@ class TrainStep:
         self._remember_reads()
         self.grow_captures += 1
         if batches is None:     # start-up: the gradients the capture allocated stay the graph's, unread
-            self.optimizer.zero_grad(set_to_none=True)
-            for p in probes:
-                p.grad = None
+            self._drop_grads(probes)
         else:
             graph.replay()
             self.replays += 1
         self.capture_s += time.perf_counter() - t0
         return loss
+
+    def _drop_grads(self, probes: list[Tensor]) -> None:
+        """Drop the parameters' and the probes' gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in probes:
+            p.grad = None
 
     def _load(self, batches: list[Batch]) -> None:
         """Copy ``batches`` into the captured graphs' static inputs."""
