@@ -253,12 +253,13 @@ class TrainStep:
         if not (probes and self.graph_mode and self._graph is not None and self._grow is None
                 and not self._grow_failed):
             return False
-        self.optimizer.zero_grad(set_to_none=True)
+        self._drop_step_graph()   # its pool is not held while the grow variant compiles and warms up
         with self.autocast():
             loss = self.forward(self._static[0]).loss
         self.backward(loss)
         del loss   # its autograd graph holds the leaves' gradient accumulators: alive, they break the capture
         self._drop_grads(probes)
+        torch.cuda.empty_cache()  # the warm-up's blocks are not the grow graph's pool
         self._grow_warm = True
         return self._capture_grow(None, probes) is not None
 
@@ -271,14 +272,11 @@ class TrainStep:
         t0 = time.perf_counter()
         if batches is not None:
             self._load(batches)
-        self.optimizer.zero_grad(set_to_none=True)
         # captured first, in a pool of its own; the step graph is dropped and captured again in that pool by the
         # next step: the grow variant's allocations are coarser (a fused projection's output in one piece, where
         # the step writes three), so the step's fit in the blocks it leaves. The other way round the pool grew by
         # 2.4 GB at BERT-base (new segments for what the step's pieces had split up).
-        torch.cuda.synchronize()   # nothing of the step graph still runs when it is dropped
-        self._graph, self._static_loss, self._read_at_capture = None, None, None
-        self._since_invalidate = self.warmup
+        self._drop_step_graph()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
@@ -300,6 +298,15 @@ class TrainStep:
             self.replays += 1
         self.capture_s += time.perf_counter() - t0
         return loss
+
+    def _drop_step_graph(self) -> None:
+        """Drop the step graph, its gradients and its pool's cached blocks (it is captured again by the step after
+        the next one, :meth:`_capture_grow`)."""
+        torch.cuda.synchronize()   # nothing of the step graph still runs when it is dropped
+        self._graph, self._static_loss, self._read_at_capture = None, None, None
+        self._since_invalidate = self.warmup
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
 
     def _drop_grads(self, probes: list[Tensor]) -> None:
         """Drop the parameters' and the probes' gradients."""
