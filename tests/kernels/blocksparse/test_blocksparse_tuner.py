@@ -250,6 +250,24 @@ def test_a_candidate_whose_result_disagrees_is_never_chosen():
     assert [c for c, _ in tuner.time_candidates("fwd", ("k",), cands, launch, timer, check=False)] == cands
 
 
+def test_the_candidates_are_compared_in_chunks_as_whole_float32_norms(monkeypatch):
+    """The comparison works through the outputs a chunk at a time (the first step tunes while its activations are
+    held: whole float32 copies of a large output were ~2 GB) and gives the relative difference of whole float32
+    norms; an element left NaN, in any chunk, or an inf is no agreement."""
+    monkeypatch.setattr(tuner, "_CHUNK", 7)
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float16):
+        y = torch.randn(13, 11, generator=g).to(dtype)
+        x = (y.float() + 0.01 * torch.randn(13, 11, generator=g)).to(dtype)
+        want = float((x.float() - y.float()).norm() / y.float().norm())
+        assert tuner._disagreement([x, None], [y, None]) == pytest.approx(want, rel=1e-5)
+        assert tuner._disagreement([y], [y]) == 0.0
+        for bad in (float("nan"), float("inf")):
+            z = y.clone()
+            z[12, 10] = bad          # the last, partial chunk
+            assert tuner._disagreement([x, z], [y, y]) == float("inf")
+
+
 def test_a_shrunk_topology_is_planned_from_the_timings_of_another_density():
     """Gradual pruning's new counts (metadata with ``estimate_plans``) time nothing: the choice comes from the same
     product's timings at the nearest density timed, block kernels scaled by the density ratio, the dense fallback
