@@ -12,6 +12,7 @@
 
 Measurements and the variants tried: docs/history/blocksparse.md.
 """
+from sparsetrain.kernels.blocksparse import flops as _flops
 from sparsetrain.kernels.blocksparse import parts as _parts  # noqa: F401  (registers the three-piece custom ops)
 from sparsetrain.kernels.blocksparse.meta import KERNEL_BLOCKS, BlockSparseMeta
 from sparsetrain.kernels.blocksparse.op import block_sparse_linear, uses_kernels
@@ -23,6 +24,8 @@ from sparsetrain.kernels.blocksparse.reference import (
 )
 from sparsetrain.kernels.blocksparse.registry import register_meta
 from sparsetrain.kernels.blocksparse.tuner import Backend, Product, register_backend, unregister_backend
+
+_flops.register()   # the ops' FLOPs for torch's FlopCounterMode and torch.compile's recompute choices
 
 __all__ = [
     "KERNEL_BLOCKS", "Backend", "BlockSparseMeta", "Product", "block_sparse_linear", "dense_to_values",
