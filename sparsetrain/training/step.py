@@ -300,8 +300,8 @@ class TrainStep:
         return loss
 
     def _drop_step_graph(self) -> None:
-        """Drop the step graph, its gradients and its pool's cached blocks (it is captured again by the step after
-        the next one, :meth:`_capture_grow`)."""
+        """Drop the step graph, its gradients and its pool's cached blocks (the next ordinary step captures it
+        again, in the grow graph's pool: :meth:`_capture_grow`)."""
         torch.cuda.synchronize()   # nothing of the step graph still runs when it is dropped
         self._graph, self._static_loss, self._read_at_capture = None, None, None
         self._since_invalidate = self.warmup
