@@ -258,8 +258,7 @@ class TrainStep:
             loss = self.forward(self._static[0]).loss
         self.backward(loss)
         del loss   # its autograd graph holds the leaves' gradient accumulators: alive, they break the capture
-        self._drop_grads(probes)
-        torch.cuda.empty_cache()  # the warm-up's blocks are not the grow graph's pool
+        self._drop_grads(probes)   # the capture's own drop then frees the warm-up's cached blocks
         self._grow_warm = True
         return self._capture_grow(None, probes) is not None
 

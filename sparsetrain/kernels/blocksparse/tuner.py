@@ -6,8 +6,9 @@ Triton gather kernels, the dense cuBLAS fallback. For a :class:`Product` it offe
 (``candidates``) and builds the launch plan of one (``make_plan``). The tuner lists the candidates of every
 registered backend in registration order, times each once per shape key on the GPU and keeps the fastest;
 where nothing is timed (the Triton interpreter, CUDA-graph capture, :func:`~.testing.untuned`) the first
-candidate is the choice; where a topology was built by gradual pruning's shrink (``BlockSparseMeta.estimate_plans``)
-the choice comes from the same product's timings at another density (:func:`_estimate`). Choices timed on a GPU are also kept on disk (``KernelOptions.tuning_cache``,
+candidate is the choice; where a topology was built by gradual pruning's shrink
+(``BlockSparseMeta.estimate_plans``) the choice comes from the same product's timings at another density
+(:func:`_estimate`). Choices timed on a GPU are also kept on disk (``KernelOptions.tuning_cache``,
 :mod:`sparsetrain.kernels._runtime.tuning_cache`), so a later process on the same GPU, software and kernel
 sources reuses them instead of timing again; under the test hooks nothing is read or written there. Adding a
 backend is a config type, two functions and one call::
@@ -322,7 +323,7 @@ def time_candidates(kind: str, key: tuple, cands: Sequence, launch: Callable[[ob
         try:
             if check:
                 with poison_outputs():   # outputs NaN-filled first: an element a candidate fails to write shows
-                    result = _parts(launch(cfg))
+                    result = _outputs(launch(cfg))
                 if reference is None:   # a copy: the forward and dX reuse one output buffer across candidates
                     reference = (cfg, [None if t is None else t.detach().clone() for t in result])
                 elif (err := _disagreement(result, reference[1])) > AGREE_REL:
@@ -337,7 +338,8 @@ def time_candidates(kind: str, key: tuple, cands: Sequence, launch: Callable[[ob
     return timed
 
 
-def _parts(result) -> list:
+def _outputs(result) -> list:
+    """A launch's result as a list of its output tensors (None where one was not asked for)."""
     return list(result) if isinstance(result, tuple) else [result]
 
 
