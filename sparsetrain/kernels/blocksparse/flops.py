@@ -32,7 +32,8 @@ def _probed_forward(x_shape, values_shape, bias, probe, *rest, out_shape=None, *
 
 
 def _gelu_forward(pre_shape, post_shape, values_shape, bias, *rest, out_shape=None, **kwargs) -> int:
-    """``block_sparse_gelu_linear``: the product of gelu(h) (its input features are h's)."""
+    """``block_sparse_gelu_linear`` (and ``_probed``, the probe in ``rest``): the product of gelu(h) (its input
+    features are h's)."""
     return _product(post_shape, values_shape, rest[-2])
 
 
@@ -43,17 +44,27 @@ def _backward(dy_shape, x_shape, values_shape, *rest, out_shape=None, **kwargs) 
     return (bool(need_x) + bool(need_v)) * _product(x_shape, values_shape, in_features)
 
 
+def _dense(x_shape, rest) -> int:
+    """The dense weight gradient of a probed backward ``(..., x, values, six index tensors, out, in, ...)``:
+    ``2 * tokens * out * in``."""
+    out_features, in_features = rest[6], rest[7]
+    return 2 * _tokens(x_shape, in_features) * out_features * in_features
+
+
 def _probed_backward(dy_shape, x_shape, values_shape, *rest, out_shape=None, **kwargs) -> int:
     """As :func:`_backward`, plus the dense weight gradient RigL's grow step reads: ``2 * tokens * out * in``."""
-    out_features, in_features = rest[6], rest[7]
-    return (_backward(dy_shape, x_shape, values_shape, *rest)
-            + 2 * _tokens(x_shape, in_features) * out_features * in_features)
+    return _backward(dy_shape, x_shape, values_shape, *rest) + _dense(x_shape, rest)
 
 
 def _gelu_backward(dy_shape, pre_shape, values_shape, *rest, out_shape=None, **kwargs) -> int:
     """``block_sparse_gelu_linear_backward``: the input gradient (GELU's derivative in its store) and the weight
     gradient, always both."""
     return 2 * _product(pre_shape, values_shape, rest[7])
+
+
+def _gelu_probed_backward(dy_shape, pre_shape, values_shape, *rest, out_shape=None, **kwargs) -> int:
+    """``block_sparse_gelu_linear_probed_backward``: as :func:`_gelu_backward`, plus the dense weight gradient."""
+    return _gelu_backward(dy_shape, pre_shape, values_shape, *rest) + _dense(pre_shape, rest)
 
 
 def register() -> None:
@@ -63,10 +74,12 @@ def register() -> None:
     ops = torch.ops.sparsetrain
     formulas = {ops.block_sparse_linear: _forward, ops.block_sparse_linear_parts: _forward,
                 ops.block_sparse_linear_gelu: _forward, ops.block_sparse_gelu_linear: _gelu_forward,
-                ops.block_sparse_linear_probed: _probed_forward,
+                ops.block_sparse_linear_probed: _probed_forward, ops.block_sparse_linear_gelu_probed: _probed_forward,
+                ops.block_sparse_gelu_linear_probed: _gelu_forward,
                 ops.block_sparse_linear_backward: _backward, ops.block_sparse_linear_parts_backward: _backward,
                 ops.block_sparse_gelu_linear_backward: _gelu_backward,
-                ops.block_sparse_linear_probed_backward: _probed_backward}
+                ops.block_sparse_linear_probed_backward: _probed_backward,
+                ops.block_sparse_gelu_linear_probed_backward: _gelu_probed_backward}
     for op, formula in formulas.items():
         if op not in flop_registry:
             register_flop_formula(op)(formula)

@@ -41,15 +41,26 @@ if TYPE_CHECKING:  # pragma: no cover
 _PREFIX = "_bs_"
 
 
-def runs_block_ops(m: nn.Module) -> bool:
+def runs_block_ops(m: nn.Module, probed: bool = False) -> bool:
     """Whether the block-sparse ops may run in place of ``m``'s forward (the fused feed-forward block, a projection
     in parts): a :class:`~sparsetrain.nn.SparseLinear` in this format with a plain ``values`` Parameter, no
-    dense-gradient capture (RigL) and no module hook (a hook would not see the ops' call)."""
+    dense-gradient capture (RigL) and no module hook (a hook would not see the ops' call). ``probed``: a layer
+    that captures the dense gradient through its probe in this call (:func:`block_ops_probe`) qualifies too;
+    one on the hook path (no probe) never does."""
     from sparsetrain.nn.sparse_linear import SparseLinear
 
-    return (isinstance(m, SparseLinear) and isinstance(m.storage, BlockFormat) and not m.capture_dense_grad
+    return (isinstance(m, SparseLinear) and isinstance(m.storage, BlockFormat)
             and isinstance(m._parameters.get("values"), torch.Tensor)
-            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+            and (not m.capture_dense_grad or (probed and block_ops_probe(m) is not None)))
+
+
+def block_ops_probe(m: SparseLinear) -> Tensor | None:
+    """The probe that ``m``'s forward would hand the op in this call (:meth:`BlockFormat.forward`'s condition:
+    armed for RigL's dense gradient, grad enabled, ``values`` requiring grad), or None."""
+    if m.capture_dense_grad and torch.is_grad_enabled() and m._parameters["values"].requires_grad:
+        return m.grad_probe
+    return None
 
 
 def moved_slots(old: Tensor, new: Tensor, n: int) -> Tensor:
