@@ -31,9 +31,9 @@ class KernelOptions:
     #: (the tuner times GPU work only); 1.0 takes the plain fastest. In (0, 1].
     dense_margin: float = 0.85
     #: A feed-forward block whose two linears are block-sparse keeps only GELU's input for the backward and
-    #: computes GELU again there (sparsetrain.nn.mlp): less activation memory, a slower step. Off: GELU is an op
-    #: of its own between the two linears, its output kept.
-    gelu_recompute: bool = False
+    #: computes GELU again there (sparsetrain.nn.mlp): ~2.4-3 GB less at BERT-base and ViT-B for 1-2% of the step
+    #: (H200, docs/benchmarks/e2e.md). Off: GELU is an op of its own between the two linears, its output kept.
+    gelu_recompute: bool = True
     #: Launch compiled Triton kernels directly, skipping Triton's dispatcher when nothing it decides changed.
     fast_launch: bool = True
     #: Inference SpMM: ``auto`` uses the CUDA kernels where built, ``triton`` always the Triton kernel.

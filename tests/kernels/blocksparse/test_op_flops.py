@@ -10,6 +10,7 @@ from functorch.compile import min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 from torch.utils.flop_counter import FlopCounterMode
 
+from sparsetrain.kernels._runtime.options import use_kernel_options
 from sparsetrain.kernels.blocksparse.registry import op_meta_args
 from sparsetrain.nn import SparseLinear
 from sparsetrain.nn.formats.block import BlockFormat
@@ -54,6 +55,11 @@ def test_each_op_counts_two_flops_per_token_and_active_weight(tokens):
     h = torch.randn(*tokens, n_in)
     assert _flops(lambda: OPS.block_sparse_gelu_linear(h, torch.nn.functional.gelu(h), v, None, *args)) == one
     assert _flops(lambda: OPS.block_sparse_gelu_linear_backward(dy, h, v, *args, False)) == 2 * one
+    # the GELU block's ops on RigL's grow step (probed): the same products, the backward plus the dense gradient
+    assert _flops(lambda: OPS.block_sparse_linear_gelu_probed(x, v, None, probe, *args)) == one
+    assert _flops(lambda: OPS.block_sparse_gelu_linear_probed(h, torch.nn.functional.gelu(h), v, None, probe,
+                                                              *args)) == one
+    assert _flops(lambda: OPS.block_sparse_gelu_linear_probed_backward(dy, h, v, *args, True)) == 2 * one + dense
 
 
 class _Partitioned(Exception):
@@ -63,7 +69,8 @@ class _Partitioned(Exception):
 def _backward_ops(budget: float, extra: dict | None = None) -> list[str]:
     """The ops of the backward graph that torch.compile's partitioner (inductor's min-cut) makes for a sparse tiny
     BERT's training step (2 layers, 256 tokens, fp32) at ``budget`` (under ``compile_settings``, plus ``extra``
-    functorch settings). Only traced, with the ops' fake implementations: no kernel runs."""
+    functorch settings), GELU kept (its four linears plain block-sparse products). Only traced, with the ops' fake
+    implementations: no kernel runs."""
     from sparsetrain.models.builders import build_model
     from sparsetrain.nn import sparsify
 
@@ -81,7 +88,7 @@ def _backward_ops(budget: float, extra: dict | None = None) -> list[str]:
     torch._dynamo.reset()
     backend = aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition)
     with compile_settings(TrainArgs(activation_memory_budget=budget)), torch._functorch.config.patch(extra or {}):
-        with pytest.raises(Exception) as stopped:
+        with pytest.raises(Exception) as stopped, use_kernel_options(gelu_recompute=False):
             torch.compile(model, backend=backend)(input_ids=ids, labels=ids)
     torch._dynamo.reset()
     assert "_Partitioned" in repr(stopped.value) or isinstance(stopped.value.__cause__, _Partitioned)
