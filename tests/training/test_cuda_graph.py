@@ -4,6 +4,7 @@ RigL's dense-gradient steps replayed from a graph of their own (block format) or
 import pytest
 import torch
 
+from sparsetrain.kernels import KernelOptions
 from sparsetrain.models.builders import build_model
 from sparsetrain.sparsity.policies import SET, RigL
 from sparsetrain.sparsity.schedulers import PruneRegrow, Static
@@ -223,8 +224,11 @@ def test_gradual_pruning_on_the_block_format_captures_again_after_each_shrink(tm
     def make():  # 24 steps: shrinks at steps 6, 12, 18 (and 24), each followed by room for a capture
         return GradualMagnitude(initial_density=1.0, num_updates=3, start=0.0, end=1.0)
 
-    eager, eager_losses, eager_sig = _run(tmp_path, "eager", make(), False, "block", max_steps=24)
-    graph, graph_losses, graph_sig = _run(tmp_path, "graph", make(), True, "block", max_steps=24)
+    # the block kernels only: at density 1.0 the tuner may give a product to cuBLAS, whose eager and captured
+    # calls round differently (~1e-6 in the loss), and magnitude pruning turns that into other masks (H200)
+    kernels = KernelOptions(dense_fallback=False)
+    eager, eager_losses, eager_sig = _run(tmp_path, "eager", make(), False, "block", max_steps=24, kernels=kernels)
+    graph, graph_losses, graph_sig = _run(tmp_path, "graph", make(), True, "block", max_steps=24, kernels=kernels)
     shrinks = [r for r in read_metrics(tmp_path / "graph") if r.get("event") == "mask_update" and r["pruned"]]
     assert len(shrinks) >= 2
     # captured again after every shrink (one before the first capture, in the warm-up steps, needs none)
