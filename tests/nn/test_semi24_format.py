@@ -319,3 +319,18 @@ def test_gpu_compiled_dense_mode_has_no_graph_break_and_equals_eager(recompute):
     assert layer.dense_grad is not None and _rel(layer.dense_grad, want[3]) < 1e-2
     layer.capture_dense_grad, layer.dense_grad = False, None
     torch._dynamo.reset()
+
+
+def test_the_mask_is_kept_once_as_bools():
+    """A 2:4 layer's element mask is its bool mask (block 1x1): no copy in the weight's dtype is kept (4 bytes a
+    weight: 0.34 GB at ViT-B/16), and the reference path and a new mask given by set_mask still shape the forward."""
+    layer = SparseLinear(64, 32, format=Semi24Format(recompute_every_forward=False))
+    assert [n for n, _ in layer.named_buffers()] == ["mask"] and layer.mask.dtype == torch.bool
+    new = transposable24_reference(torch.randn(32, 64))[0]
+    assert not torch.equal(new, layer.mask)
+    layer.set_mask(new)
+    x = torch.randn(5, 64, requires_grad=True)
+    y = layer(x)
+    assert torch.equal(y, torch.nn.functional.linear(x, layer.weight * new, layer.bias))
+    y.sum().backward()   # straight-through: the dense gradient reaches every weight
+    torch.testing.assert_close(layer.weight.grad, torch.ones(5, 32).t() @ x.detach())

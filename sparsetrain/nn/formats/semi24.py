@@ -46,7 +46,7 @@ from sparsetrain.kernels.semi24 import (
     transposable24_reference,
 )
 from sparsetrain.nn.formats.base import FormatCaps, register_format
-from sparsetrain.nn.formats.masked import MaskedFormat
+from sparsetrain.nn.formats.masked import MaskedFormat, capture_dense_grad
 from sparsetrain.sparsity.layout import Block
 from sparsetrain.sparsity.protocol import SparseLayer
 
@@ -93,6 +93,9 @@ class Semi24Format(MaskedFormat):
             raise ValueError("mask is not a transposable 2:4 mask (at most 2 kept per row and per column of "
                              "every 4x4 tile)")
         super().setup(layer, weight, mask)
+        # An element mask already (block 1x1): the reference path multiplies by ``layer.mask`` itself, so no copy of
+        # it in the weight's dtype is kept (MaskedFormat's element-mask buffer: 4 bytes a weight, 0.34 GB at ViT-B)
+        del layer._buffers["_element_mask"]
         if self.recompute_every_forward or bool(mask.all()):
             # An all-ones mask is SparseLinear's "none given": start from the weight's own 2:4 mask.
             self.recompute_mask(layer)
@@ -105,8 +108,15 @@ class Semi24Format(MaskedFormat):
                 transposable24(w, mask_out=layer.mask)
             else:
                 layer.mask.copy_(transposable24_reference(w)[0])
-            self._refresh(layer)
         return layer.mask
+
+    def _refresh(self, layer) -> None:
+        """Nothing to refresh (MaskedFormat's load and set_mask call it): ``layer.mask`` is the element mask."""
+
+    def effective_weight(self, layer) -> Tensor:
+        """``W ⊙ M`` in the forward, the identity to the dense weight in the backward (straight-through)."""
+        w = layer.weight
+        return capture_dense_grad(layer, w + (w * layer.mask.to(w.dtype) - w).detach())
 
     def set_mask(self, layer, new_mask, optimizer=None):
         if not is_transposable24(new_mask):
@@ -123,22 +133,18 @@ class Semi24Format(MaskedFormat):
             # The masked reference path, exactly MaskedFormat(straight_through=True).
             if self.recompute_every_forward:
                 self.recompute_mask(layer)
-            else:
-                self._refresh(layer)
             return super().forward(layer, x)
         if self.mode == "dense" and not layer.capture_dense_grad and torch.compiler.is_compiling():
             # Masked dense in plain torch ops (the mask kernel a custom op): torch.compile traces it, no graph
             # break, so inductor fuses the casts and the bias-grad reduction around the two cuBLAS products.
             # Eagerly the autograd function stays faster (its one kernel writes the mask and W⊙M in the compute
-            # dtype together). Like the eager path, the element-mask cache (_refresh) is not updated:
-            # dense_weight and the schedulers read layer.mask.
+            # dtype together). dense_weight and the schedulers read layer.mask.
             return semi24_dense_linear(x, layer.weight, layer.bias, layer.mask,
                                        recompute=self.recompute_every_forward)
         # sparse modes and dense-gradient capture steps: the eager path (a graph break under torch.compile)
         return _semi24_eager(self, layer, x)
 
     def dense_weight(self, layer):
-        # From the mask buffer itself: on CUDA the element-mask cache is not refreshed every step.
         return (layer.weight * layer.mask.to(layer.weight.dtype)).detach()
 
     @classmethod
