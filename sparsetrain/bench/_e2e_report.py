@@ -24,16 +24,19 @@ def steady_rate(run: dict, interval: float | None) -> dict | None:
 
 
 def build_table(runs: list[dict], baseline: str = "dense", gemm_tflops: float | None = None) -> list[dict]:
-    """Rows of the table: each run with its ratios to the baseline (same mode; the baseline's fastest mode),
-    its memory ratio (of the steady-state peaks, ``peak_gb``), its model FLOP rate (``sparsetrain.flops``' count of
-    what the step runs, per second) and that rate's share of ``gemm_tflops`` (a bf16 GEMM measured on the same GPU),
-    and, for dynamic variants, the update cost amortised over the recipe's interval."""
-    base = {r["mode"]: r for r in runs if r["variant"] == baseline and r.get("rate")}
-    best = max((r["rate"] for r in base.values()), default=None)
+    """Rows of the table: each run with its ratios to the baseline of its round (same mode; the baseline's fastest
+    mode), its memory ratio (of the steady-state peaks, ``peak_gb``), its model FLOP rate (``sparsetrain.flops``'
+    count of what the step runs, per second) and that rate's share of ``gemm_tflops`` (a bf16 GEMM measured on the
+    same GPU), and, for dynamic variants, the update cost amortised over the recipe's interval; then the rounds of
+    one variant and mode combined (:func:`combine_rounds`)."""
+    base = {(r.get("round", 1), r["mode"]): r for r in runs if r["variant"] == baseline and r.get("rate")}
+    bests = {}
+    for (rnd, _), b in base.items():
+        bests[rnd] = max(bests.get(rnd, 0.0), b["rate"])
     rows = []
     for r in runs:
         row = dict(r)
-        b = base.get(r["mode"])
+        b, best = base.get((r.get("round", 1), r["mode"])), bests.get(r.get("round", 1))
         if r.get("rate"):
             row["x_dense"] = r["rate"] / b["rate"] if b else None
             row["x_dense_best"] = r["rate"] / best if best else None
@@ -54,7 +57,41 @@ def build_table(runs: list[dict], baseline: str = "dense", gemm_tflops: float | 
                 if steady and best:  # what a full-length run of the recipe gets, against dense's fastest mode
                     row["x_dense_at_interval"] = steady["rate_at_interval"] / best
         rows.append(row)
-    return rows
+    return combine_rounds(rows)
+
+
+#: Row fields averaged over rounds (each ratio taken against its own round's baseline first), and those maximised.
+MEAN_KEYS = ("rate", "x_dense", "x_dense_best", "x_dense_mem", "model_tflops", "of_gemm", "x_dense_at_interval")
+MAX_KEYS = ("peak_gb", "startup_peak_gb")
+
+
+def combine_rounds(rows: list[dict]) -> list[dict]:
+    """One row per variant and mode: with ``--repeat``, the rounds' rows combined (the last round's row, its rates
+    and ratios the mean over the rounds that ran, its peaks the largest, ``x_dense_range`` the least and greatest
+    ratio, ``rounds`` how many ran); a variant and mode with no good round keeps its error."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["variant"], r["mode"]), []).append(r)
+    out = []
+    for group in groups.values():
+        good = [r for r in group if not r.get("error")]
+        if len(group) == 1 or not good:
+            out.append(group[-1])
+            continue
+        row = dict(good[-1], rounds=len(good), rounds_failed=len(group) - len(good))
+        for key in MEAN_KEYS:
+            vals = [r[key] for r in good if r.get(key) is not None]
+            if vals:
+                row[key] = sum(vals) / len(vals)
+        for key in MAX_KEYS:
+            vals = [r[key] for r in good if r.get(key) is not None]
+            if vals:
+                row[key] = max(vals)
+        ratios = [r["x_dense"] for r in good if r.get("x_dense") is not None]
+        if ratios:
+            row["x_dense_range"] = (min(ratios), max(ratios))
+        out.append(row)
+    return out
 
 
 def _num(v, fmt: str, none: str = "-") -> str:
@@ -72,6 +109,9 @@ def format_table(rows: list[dict]) -> str:
     unit = next((r["rate_key"].split("_")[0] for r in rows if r.get("rate_key")), "tokens")
     head = ["variant", "mode", f"{unit}/s", "x dense", "x dense best", "TFLOP/s", "% GEMM", "peak GB", "x mem",
             "startup GB", "capt/eager", "on cuBLAS", "update ms", "amortised", "x dense run"]
+    rounds = any(r.get("rounds") for r in rows)
+    if rounds:
+        head.insert(4, "x dense range")
     lines = []
     for r in rows:
         if r.get("error"):
@@ -87,6 +127,9 @@ def format_table(rows: list[dict]) -> str:
                       f"{r.get('graph_captures', 0)}/{r.get('eager_steps', 0)}", _on_cublas(r.get("kernel_choices")),
                       _num(up.get("update_s") and 1e3 * up["update_s"], ".1f"), amort,
                       _num(r.get("x_dense_at_interval"), ".3f")])
+        if rounds:
+            lo_hi = r.get("x_dense_range")
+            lines[-1].insert(4, f"{lo_hi[0]:.3f}-{lo_hi[1]:.3f} ({r['rounds']})" if lo_hi else "-")
     widths = [max([len(head[i]), *(len(ln[i]) for ln in lines if len(ln) == len(head))]) for i in range(len(head))]
     fmt = [head, ["-" * w for w in widths], *lines]
     out = ["  ".join(c.ljust(w) if i < 2 or len(ln) < len(head) else c.rjust(w)

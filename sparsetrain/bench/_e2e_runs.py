@@ -99,8 +99,8 @@ class Bench:
         if not self.args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
 
-    def train_run(self, variant: Variant, mode: str, facts: dict, index: str) -> dict:
-        name = f"{variant.name}-{mode}"
+    def train_run(self, variant: Variant, mode: str, facts: dict, index: str, rnd: int = 1) -> dict:
+        name = f"{variant.name}-{mode}" + (f"-r{rnd}" if rnd > 1 else "")
         overrides = run_overrides(variant, mode, self.args, facts)
         key = json.dumps(overrides)
         if (reused := self._reused(name, key)) is not None:
@@ -111,7 +111,8 @@ class Bench:
         t = time.time()
         rc, last = self._spawn(name, [sys.executable, "-m", "sparsetrain.cli", "train", *overrides,
                                       f"hydra.run.dir={run_dir}"])
-        result = {"variant": variant.name, "mode": mode, "overrides": overrides, "seconds": time.time() - t,
+        result = {"variant": variant.name, "mode": mode, "round": rnd, "overrides": overrides,
+                  "seconds": time.time() - t,
                   "items_per_step": self.args.batch * (self.args.seq if facts.get("text") else 1),
                   **{k: facts.get(k) for k in ("dynamic", "recipe_interval", "recipe_steps", "recipe_num_updates")}}
         try:
@@ -161,9 +162,11 @@ class Bench:
             self.say(f"{' and '.join(gpu_only)} mode needs a CUDA GPU; skipped")
         self.say(f"run directories under {self.out}" + ("" if args.keep else " (removed after reading)"))
         self.results["env"] = _env()
-        jobs = [(v, m) for v in args.variant_list for m in modes]
+        # rounds one after another, each running every variant and mode once: a drift of the GPU's clock over the
+        # invocation reaches every variant alike, and each ratio is taken within its round
+        jobs = [(v, m, rnd) for rnd in range(1, args.repeat + 1) for v in args.variant_list for m in modes]
         facts: dict[str, dict] = {}
-        for i, (variant, mode) in enumerate(jobs, 1):
+        for i, (variant, mode, rnd) in enumerate(jobs, 1):
             if variant.name not in facts:
                 try:
                     facts[variant.name] = recipe_facts(variant)
@@ -173,9 +176,10 @@ class Bench:
             if "error" in f:
                 self.say(f"[{i}/{len(jobs)}] {variant.name}-{mode}: FAILED: "
                          f"{' '.join(['recipe=' + variant.recipe, *variant.overrides])} does not compose: {f['error']}")
-                self.results["runs"].append({"variant": variant.name, "mode": mode, "error": f["error"]})
+                self.results["runs"].append({"variant": variant.name, "mode": mode, "round": rnd,
+                                             "error": f["error"]})
                 continue
-            self.results["runs"].append(self.train_run(variant, mode, f, f"[{i}/{len(jobs)}]"))
+            self.results["runs"].append(self.train_run(variant, mode, f, f"[{i}/{len(jobs)}]", rnd))
             self.save()
         self.results["table"] = build_table(self.results["runs"], args.baseline,
                                             self.results["env"].get("bf16_gemm_tflops"))

@@ -58,6 +58,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", help="run directories (default: a new temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep run directories (checkpoints are always deleted)")
     p.add_argument("--resume", action="store_true", help="reuse finished runs of the same command in --out")
+    p.add_argument("--repeat", type=int, default=1, help="rounds: every variant and mode runs once per round, "
+                   "rounds one after another; each ratio is taken within its round, and the table shows its mean "
+                   "and range over the rounds (a drift of the GPU's clock reaches every variant alike)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run")
     p.add_argument("--json", help="write results here")
     p.add_argument("--plot", help="write a PNG bar chart here")
@@ -65,8 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in args.modes if m not in MODES]:
         p.error(f"--modes: unknown {bad}; use some of {','.join(MODES)}")
-    if args.steps < 1 or args.log_every < 1:
-        p.error("--steps and --log-every must be >= 1")
+    if args.steps < 1 or args.log_every < 1 or args.repeat < 1:
+        p.error("--steps, --log-every and --repeat must be >= 1")
     table = {v.name: v for v in (*DEFAULT_VARIANTS[args.model], *args.recipe_map)}
     names = args.variants.split(",") if args.variants else list(table)
     if unknown := [n for n in names if n not in table]:

@@ -43,7 +43,7 @@ def test_defaults_and_recipe_map():
 
 
 @pytest.mark.parametrize("argv", [["--variants", "dense,nope"], ["--modes", "eager,fast"],
-                                  ["--recipe-map", "no_recipe"], ["--steps", "0"]])
+                                  ["--recipe-map", "no_recipe"], ["--steps", "0"], ["--repeat", "0"]])
 def test_bad_arguments_exit(argv):
     with pytest.raises(SystemExit):
         e2e.parse_args(argv)
@@ -150,6 +150,51 @@ def test_table_ratios_and_update_cost(tmp_path):
     cells = {tuple(ln.split()[:2]): ln.split() for ln in text.splitlines()[2:] if "error" not in ln}
     assert cells["static", "graph"][head.index("on cuBLAS")] == "5/12"
     assert cells["dense", "graph"][head.index("on cuBLAS")] == "-"
+
+
+def test_rounds_take_each_ratio_within_its_round_and_show_mean_and_range():
+    """--repeat: a ratio is taken against the baseline of its own round (a GPU whose clock drifts slows dense and
+    sparse of one round alike), then averaged over the rounds; peaks are the largest; a failed round is left out."""
+    def run(variant, rnd, rate, peak, **kw):
+        return {"variant": variant, "mode": "compiled", "round": rnd, "rate": rate, "peak_gb": peak,
+                "rate_key": "tokens_per_s", **kw}
+
+    runs = [run("dense", 1, 100.0, 10.0), run("sparse", 1, 130.0, 8.0),
+            run("dense", 2, 90.0, 10.0), run("sparse", 2, 108.0, 8.5),    # the GPU 10% slower in round 2
+            run("dense", 3, 95.0, 10.0), {"variant": "sparse", "mode": "compiled", "round": 3, "error": "OOM"}]
+    rows = {r["variant"]: r for r in e2e_report.build_table(runs)}
+    sparse = rows["sparse"]
+    assert sparse["x_dense"] == pytest.approx((1.3 + 1.2) / 2)          # not 119 / 95 from the pooled rates
+    assert sparse["x_dense_range"] == pytest.approx((1.2, 1.3))
+    assert sparse["rate"] == pytest.approx(119.0) and sparse["peak_gb"] == 8.5
+    assert (sparse["rounds"], sparse["rounds_failed"]) == (2, 1)
+    assert sparse["x_dense_mem"] == pytest.approx((0.8 + 0.85) / 2)
+    assert rows["dense"]["rounds"] == 3 and rows["dense"]["x_dense_range"] == (1.0, 1.0)
+    text = e2e_report.format_table(list(rows.values()))
+    head = [c.strip() for c in text.splitlines()[0].split("  ") if c.strip()]
+    cells = {ln.split()[0]: ln.split() for ln in text.splitlines()[2:]}
+    assert head[4] == "x dense range" and cells["sparse"][4] == "1.200-1.300" and cells["sparse"][5] == "(2)"
+    # one round: no range column, the rows as they were
+    one = e2e_report.build_table([dict(r, round=1) for r in runs[:2]])
+    assert "rounds" not in one[1] and "x dense range" not in e2e_report.format_table(one)
+
+
+def test_rounds_run_every_variant_before_the_next_round(tmp_path, monkeypatch):
+    calls = []
+
+    def train_run(self, variant, mode, facts, index, rnd=1):
+        calls.append((variant.name, rnd, index))
+        return {"variant": variant.name, "mode": mode, "round": rnd, "rate": 1.0}
+
+    monkeypatch.setattr(e2e_runs.Bench, "train_run", train_run)
+    monkeypatch.setattr(e2e_runs, "recipe_facts", lambda v: {})
+    monkeypatch.setattr(e2e_runs, "_env", lambda: {})
+    args = e2e.parse_args(["--variants", "dense,static_b16", "--modes", "eager", "--repeat", "2", "--breakdown",
+                           "none", "--out", str(tmp_path)])
+    rows = e2e_runs.Bench(args, []).run()
+    assert calls == [("dense", 1, "[1/4]"), ("static_b16", 1, "[2/4]"), ("dense", 2, "[3/4]"),
+                     ("static_b16", 2, "[4/4]")]
+    assert [(r["variant"], r["rounds"]) for r in rows] == [("dense", 2), ("static_b16", 2)]
 
 
 def test_plot_shows_a_dynamic_variant_at_the_recipe_interval(tmp_path, monkeypatch):
