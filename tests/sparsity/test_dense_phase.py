@@ -240,3 +240,22 @@ def test_gpu_cli_dense_phase_recompiles_and_captures_again(tmp_path):
     summary = json.loads((d / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["graph_captures"] >= 2, summary
     assert summary["method"] == "static+dense@0.5"
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_cli_24_sparse_then_dense_compiled_switches_and_captures_again(tmp_path):
+    """The 2:4 sparse-then-dense method as its recipe runs it since 2026-11-29 (compiled, graphed steps; the mask
+    recomputed every step, the dispatch per layer), through the CLI on the tiny quickstart: the switch at step 20 of
+    40 is logged, the step is captured again for the dense layers, and the losses are finite."""
+    from test_cli import TINY, cli, rows
+
+    d = tmp_path / "run"
+    cli("train", "recipe=quickstart", "trainer=gpu", "sparsity=sparse_then_dense", "sparsity.block=1",
+        "sparsity.density=0.5", "sparsity.scheduler.sparse_fraction=0.5", "trainer.max_steps=40", "trainer.log_every=10", "trainer.eval_every=20", "trainer.checkpoint_every=0",
+        "logger=quiet", *TINY, f"hydra.run.dir={d}")
+    assert [(e["step"], e["event"]) for e in rows(d, "event") if e["event"] == "phase_switch"] == [(20, "phase_switch")]
+    losses = [x["loss"] for x in rows(d, "loss")]
+    assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["graph_captures"] >= 2, summary
