@@ -31,16 +31,21 @@ def classify_kernel(name: str) -> str:
     return next((cat for cat, keys in CATEGORY_PATTERNS if any(k in low for k in keys)), "elementwise")
 
 
+#: How many of the profiled steps' kernels (the largest by time per step) the JSON lists by name.
+TOP_KERNELS = 50
+
+
 def breakdown(kernels: list[tuple[str, float]], wall_s: float, steps: int) -> dict:
     """Milliseconds per step per category from ``(kernel name, µs)`` pairs over ``steps`` steps that took
-    ``wall_s``; host gaps = wall − summed kernel time (negative where kernels overlapped)."""
+    ``wall_s``; host gaps = wall − summed kernel time (negative where kernels overlapped); the :data:`TOP_KERNELS`
+    largest kernels by name."""
     ms = dict.fromkeys(CATEGORIES, 0.0)
     by_name: dict[str, float] = {}
     for name, us in kernels:
         ms[classify_kernel(name)] += us / 1e3 / steps
         by_name[name] = by_name.get(name, 0.0) + us / 1e3 / steps
     total = sum(ms.values())
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     return {"ms_per_step": ms, "kernels_ms": total, "wall_ms": 1e3 * wall_s / steps,
             "host_gaps_ms": 1e3 * wall_s / steps - total,
             "top_kernels": [[n[:120], round(t, 4), classify_kernel(n)] for n, t in top]}
