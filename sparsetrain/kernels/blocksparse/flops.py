@@ -23,11 +23,7 @@ def _product(x_shape, values_shape, in_features: int) -> int:
 
 
 def _forward(x_shape, values_shape, bias, *rest, out_shape=None, **kwargs) -> int:
-    """``(x, values, bias, six index tensors, out_features, in_features, block)``: one product."""
-    return _product(x_shape, values_shape, rest[-2])
-
-
-def _probed_forward(x_shape, values_shape, bias, probe, *rest, out_shape=None, **kwargs) -> int:
+    """``(x, values, bias[, probe], six index tensors, out_features, in_features, block)``: one product."""
     return _product(x_shape, values_shape, rest[-2])
 
 
@@ -74,7 +70,7 @@ def register() -> None:
     ops = torch.ops.sparsetrain
     formulas = {ops.block_sparse_linear: _forward, ops.block_sparse_linear_parts: _forward,
                 ops.block_sparse_linear_gelu: _forward, ops.block_sparse_gelu_linear: _gelu_forward,
-                ops.block_sparse_linear_probed: _probed_forward, ops.block_sparse_linear_gelu_probed: _probed_forward,
+                ops.block_sparse_linear_probed: _forward, ops.block_sparse_linear_gelu_probed: _forward,
                 ops.block_sparse_gelu_linear_probed: _gelu_forward,
                 ops.block_sparse_linear_backward: _backward, ops.block_sparse_linear_parts_backward: _backward,
                 ops.block_sparse_gelu_linear_backward: _gelu_backward,

@@ -77,11 +77,15 @@ class MaskedFormat(WeightFormat):
         else:
             layer._element_mask = em.to(device=layer.weight.device, dtype=layer.weight.dtype)
 
-    def effective_weight(self, layer) -> Tensor:
-        w = layer.weight
-        m = layer._element_mask
+    def element_mask(self, layer) -> Tensor:
+        """The mask the weight is multiplied by, in the weight's dtype and on its device (kept as a buffer)."""
+        w, m = layer.weight, layer._element_mask
         if m.dtype != w.dtype or m.device != w.device:
             m = layer._element_mask = m.to(device=w.device, dtype=w.dtype)
+        return m
+
+    def effective_weight(self, layer) -> Tensor:
+        w, m = layer.weight, self.element_mask(layer)
         if self.straight_through:
             # forward: w * m ; backward: identity to the dense weight (straight-through estimator)
             w_eff = w + (w * m - w).detach()
@@ -93,7 +97,7 @@ class MaskedFormat(WeightFormat):
         return F.linear(x, self.effective_weight(layer), layer.bias)
 
     def dense_weight(self, layer):
-        return (layer.weight * layer._element_mask.to(layer.weight.dtype)).detach()
+        return (layer.weight * self.element_mask(layer)).detach()
 
     def state_weight(self, layer):
         return layer.weight.detach() if self.straight_through else self.dense_weight(layer)

@@ -46,7 +46,7 @@ from sparsetrain.kernels.semi24 import (
     transposable24_reference,
 )
 from sparsetrain.nn.formats.base import FormatCaps, register_format
-from sparsetrain.nn.formats.masked import MaskedFormat, capture_dense_grad
+from sparsetrain.nn.formats.masked import MaskedFormat
 from sparsetrain.sparsity.layout import Block
 from sparsetrain.sparsity.protocol import SparseLayer
 
@@ -113,10 +113,9 @@ class Semi24Format(MaskedFormat):
     def _refresh(self, layer) -> None:
         """Nothing to refresh (MaskedFormat's load and set_mask call it): ``layer.mask`` is the element mask."""
 
-    def effective_weight(self, layer) -> Tensor:
-        """``W ⊙ M`` in the forward, the identity to the dense weight in the backward (straight-through)."""
-        w = layer.weight
-        return capture_dense_grad(layer, w + (w * layer.mask.to(w.dtype) - w).detach())
+    def element_mask(self, layer) -> Tensor:
+        """``layer.mask`` in the weight's dtype, made when asked (the reference path's forward, dense_weight)."""
+        return layer.mask.to(layer.weight.dtype)
 
     def set_mask(self, layer, new_mask, optimizer=None):
         if not is_transposable24(new_mask):
@@ -143,9 +142,6 @@ class Semi24Format(MaskedFormat):
                                        recompute=self.recompute_every_forward)
         # sparse modes and dense-gradient capture steps: the eager path (a graph break under torch.compile)
         return _semi24_eager(self, layer, x)
-
-    def dense_weight(self, layer):
-        return (layer.weight * layer.mask.to(layer.weight.dtype)).detach()
 
     @classmethod
     def plan_kernels(cls, layers: dict[str, SparseLinear], tokens: int, *, dtype: torch.dtype | None = None,
