@@ -32,7 +32,7 @@ class Variant:
 
 
 # ViT: ViT-B/16 at 224 px on synthetic images (vit_base_dense / vit_base_static; the 2:4 variant is the
-# sparse-then-dense recipe with ViT-B and the 2:4 phase for the whole run).
+# sparse-then-dense recipe with ViT-B and the 2:4 phase for the whole run; at ViT-L, the recipe's own model).
 DEFAULT_VARIANTS = {
     "bert": (Variant("dense", "bert_dense"), Variant("static_b64", "bert_static", ("sparsity.block=64",)),
              Variant("static_b16", "bert_static"), Variant("dynamic_b16", "bert_phase1_dynamic")),
@@ -44,7 +44,8 @@ DEFAULT_VARIANTS = {
             Variant("semi24", "vit_24_sparse_then_dense", ("model=vit_base", "sparsity.scheduler.sparse_fraction=1.0"))),
     "vit_large": (Variant("dense", "vit_large_dense"),
                   Variant("static_b64", "vit_large_static", ("sparsity.block=64",)),
-                  Variant("static_b16", "vit_large_static"), Variant("dynamic_b16", "vit_large_dynamic")),
+                  Variant("static_b16", "vit_large_static"), Variant("dynamic_b16", "vit_large_dynamic"),
+                  Variant("semi24", "vit_24_sparse_then_dense", ("sparsity.scheduler.sparse_fraction=1.0",))),
 }
 DEFAULT_BATCH = {"bert": 256, "bert_large": 256, "vit": 256, "vit_large": 128}
 

@@ -36,7 +36,7 @@ def test_defaults_and_recipe_map():
         "bert_large_dense", "bert_large_static", "bert_large_static", "bert_large_dynamic"]
     vit_large = e2e.parse_args(["--model", "vit_large"])
     assert vit_large.batch == 128 and [v.recipe for v in vit_large.variant_list] == [
-        "vit_large_dense", "vit_large_static", "vit_large_static", "vit_large_dynamic"]
+        "vit_large_dense", "vit_large_static", "vit_large_static", "vit_large_dynamic", "vit_24_sparse_then_dense"]
     vit = e2e.parse_args(["--model", "vit"])
     assert vit.batch == 256 and [v.recipe for v in vit.variant_list][:3] == ["vit_base_dense", "vit_base_static",
                                                                              "vit_base_static"]

@@ -19,6 +19,7 @@ from sparsetrain.sparsity import (
 )
 from sparsetrain.sparsity.layout import n_active_blocks
 from sparsetrain.sparsity.nm import is_transposable_nm
+from sparsetrain.training.guard import mask_update_due
 
 
 class MLP(nn.Module):
@@ -201,6 +202,26 @@ def test_sparse_then_dense_switches_without_rebuilding_optimizer():
         mod = model.get_submodule(n)
         assert type(mod) is nn.Linear and mod.weight is p and p in optim.state   # same Parameter, same state
     assert sched.density == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["masked_st", "2:4"])
+def test_sparse_then_dense_asks_for_update_steps_only_where_the_scheduler_sets_masks(fmt):
+    # masked_st takes its mask from the scheduler every step (the loop checks the weights are finite first, a host
+    # sync); the 2:4 format derives it in its forward, so only the switch is an update step and no step syncs for it
+    sched = SparseThenDense(sparse_fraction=0.5)
+    model, layers, optim = _setup(sched, density=1.0, block=1, fmt=fmt, steps=10)
+    assert all(layer.caps.derives_mask == (fmt == "2:4") for layer in layers.values())
+    gen = torch.Generator().manual_seed(0)
+    due, events = [], []
+    for step in range(1, 11):
+        due.append(mask_update_due(sched, step))
+        _train_step(model, optim, gen)
+        rec = sched.step(step)
+        events.append(rec and rec["event"])
+        if step < 5:
+            assert all(is_transposable_nm(layer.mask) for layer in layers.values())
+    assert due == ([True] * 5 if fmt == "masked_st" else [False] * 4 + [True]) + [False] * 5
+    assert events == [None] * 4 + ["phase_switch"] + [None] * 5
 
 
 def test_scheduler_validation():
