@@ -161,6 +161,7 @@ def build_model(
     task: str = "mlm",
     fused_qkv: bool = False,
     fp32_residual: bool = True,
+    patch_matmul: bool = False,
     **overrides: Any,
 ):
     """Build a randomly initialised BERT (masked LM) or ViT (image classifier), or load a pretrained one.
@@ -173,16 +174,18 @@ def build_model(
     one query/key/value projection (:mod:`sparsetrain.models.fused_qkv`: the same function, fewer and larger
     products; the sparsity layer sees one layer there). ``fp32_residual=False`` makes the LayerNorms return the
     autocast dtype, so the residual stream is 16-bit under mixed precision (:mod:`sparsetrain.models.norms`).
+    ``patch_matmul=True`` computes a ViT's patch embedding as one matrix product instead of a convolution (the
+    same Parameters and function, :mod:`sparsetrain.models.patches`).
 
     >>> model = build_model("bert", "tiny", vocab_size=1000, seq_len=64)
     >>> model.config.num_hidden_layers, model.config.hidden_size
     (2, 128)
     """
     check_model_args(arch, size, name_or_path=name_or_path, task=task, fused_qkv=fused_qkv,
-                     fp32_residual=fp32_residual)
+                     fp32_residual=fp32_residual, patch_matmul=patch_matmul)
     if arch == "hf":
         model = _load_pretrained(name_or_path, task, num_labels, attn_implementation, overrides)
-        return _fused(model, fused_qkv, fp32_residual)
+        return _fused(model, fused_qkv, fp32_residual, patch_matmul)
 
     config = build_config(
         arch,
@@ -204,19 +207,21 @@ def build_model(
         from transformers import ViTForImageClassification
 
         model = ViTForImageClassification(config)
-    return _fused(model, fused_qkv, fp32_residual)
+    return _fused(model, fused_qkv, fp32_residual, patch_matmul)
 
 
-def _fused(model, fused_qkv: bool, fp32_residual: bool = True):
+def _fused(model, fused_qkv: bool, fp32_residual: bool = True, patch_matmul: bool = False):
     """The model's fusions: the query/key/value projection where asked; the feed-forward blocks always
     (:mod:`sparsetrain.models.ffn`: GELU recomputed in the backward where both linears are block-sparse and
     ``trainer.kernels.gelu_recompute`` is on; transformers' modules otherwise); 16-bit LayerNorm outputs under
-    autocast unless ``fp32_residual``."""
+    autocast unless ``fp32_residual``; a ViT's patch embedding as one product where ``patch_matmul``."""
     from sparsetrain.models.ffn import use_gelu_mlp
     from sparsetrain.models.fused_qkv import fuse_qkv
     from sparsetrain.models.norms import use_16bit_residual
+    from sparsetrain.models.patches import use_patch_matmul
 
     model = use_gelu_mlp(fuse_qkv(model) if fused_qkv else model)
+    model = use_patch_matmul(model) if patch_matmul else model
     return model if fp32_residual else use_16bit_residual(model)
 
 
@@ -231,7 +236,8 @@ FUSABLE_MODEL_TYPES = ("bert", "vit")
 
 
 def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str | None = None, task: str = "mlm",
-                     fused_qkv: bool = False, fp32_residual: bool = True, **_unused: Any) -> None:
+                     fused_qkv: bool = False, fp32_residual: bool = True, patch_matmul: bool = False,
+                     **_unused: Any) -> None:
     """Cheap checks of :func:`build_model`'s arguments (no weights read, no network): raises ValueError whose
     message starts with the argument's name. A local ``name_or_path`` must be a folder with a JSON
     ``config.json`` and an intact weight file (the safetensors header is read); a hub name is checked when
@@ -242,6 +248,10 @@ def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str |
         raise ValueError(f"fused_qkv must be true or false, got {fused_qkv!r}")
     if not isinstance(fp32_residual, bool):
         raise ValueError(f"fp32_residual must be true or false, got {fp32_residual!r}")
+    if not isinstance(patch_matmul, bool):
+        raise ValueError(f"patch_matmul must be true or false, got {patch_matmul!r}")
+    if patch_matmul and arch == "bert":
+        raise ValueError("patch_matmul: a ViT's patch embedding setting; arch 'bert' has none (leave it false)")
     if arch != "hf":
         _size(arch, size)
         return
