@@ -3,7 +3,7 @@
 A ViT embeds its image by a convolution whose kernel and stride are the patch size, which is a linear map of
 each non-overlapping patch: ``[B, C, H, W]`` cut into ``(H/p)(W/p)`` patches of ``C·p·p`` values times the
 weight seen as ``[D, C·p·p]``. As a convolution (cuDNN) the step converts the image to channels-last and back and
-runs a convolution kernel forward and for the weight gradient (ViT-B/16 at 256 images on an H200: ~3.3 ms of an
+runs a convolution kernel forward and for the weight gradient (ViT-B/16 at 256 images on an H200: ~3.4 ms of an
 ~84 ms step, against a floor of ~0.1 ms for the product); as a product, the patches are one reshaping copy
 (fused with the cast to the compute dtype under ``torch.compile``) and the weight gradient an ordinary matrix
 product.
