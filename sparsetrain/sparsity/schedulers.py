@@ -119,8 +119,9 @@ class SparsityScheduler:
             raise ValueError(f"{type(self).__name__} found no SparseLinear layer: call sparsify(model, ...) first")
         self.optimizer = optimizer
         self.total_steps = int(total_steps)
-        if self.dense_from is not None:
-            self.dense_step = max(1, int(round(self.dense_from * self.total_steps)))
+        if self.dense_from is not None:   # a dense phase of no steps (dense_from 1.0): sparse to the end, no switch
+            step = max(1, int(round(self.dense_from * self.total_steps)))
+            self.dense_step = step if step < self.total_steps else None
         self._on_attach()
         self._arm(self.step_count + 1)
         self._density = None

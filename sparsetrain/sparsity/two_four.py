@@ -10,7 +10,7 @@ class SparseThenDense(SparsityScheduler):
     """2:4 phase for the first ``sparse_fraction`` of training: the transposable 2:4 mask is recomputed from
     the current dense weights every step while the dense weights keep receiving the (straight-through)
     gradient; then every layer becomes a plain ``nn.Linear`` reusing the same Parameters, so the optimizer
-    is untouched."""
+    is untouched. ``sparse_fraction=1.0``: 2:4 to the end, no switch."""
 
     produces_nm = True
     name = "sparse_then_dense"
@@ -30,8 +30,11 @@ class SparseThenDense(SparsityScheduler):
             if not layer.caps.straight_through:
                 raise ValueError(f"sparse_then_dense needs a straight-through format (sparsity.format=2:4 or "
                                  f"masked_st); layer {name} uses {layer.format_name!r}")
-        self.phase_end = int(round(self.sparse_fraction * self.total_steps))
-        if self.step_count < self.phase_end:
+        # a sparse phase as long as the run (sparse_fraction 1.0) never switches: the run ends with its 2:4 model (a
+        # switch at the last step would hand over the straight-through dense weights, unmasked, and cost a step)
+        end = int(round(self.sparse_fraction * self.total_steps))
+        self.phase_end = end if end < self.total_steps else None
+        if self.phase_end is None or self.step_count < self.phase_end:
             self._recompute()
         else:
             self._densify()   # straight-through layers hand over their dense Parameters
@@ -63,12 +66,15 @@ class SparseThenDense(SparsityScheduler):
             return False
         if not self.layers:
             return True
-        return step >= self.phase_end or not all(layer.caps.derives_mask for layer in self.layers.values())
+        return self._switch_due(step) or not all(layer.caps.derives_mask for layer in self.layers.values())
+
+    def _switch_due(self, step: int) -> bool:
+        return self.phase_end is not None and step >= self.phase_end
 
     def _update(self, step):
         if self.switched:
             return None
-        if step >= self.phase_end:
+        if self._switch_due(step):
             self._densify()   # straight-through layers hand over their dense Parameters
             return {"event": "phase_switch", "phase": "dense", "pruned": 0, "regrown": 0}
         self._recompute()

@@ -120,6 +120,15 @@ def test_prune_regrow_updates_until_the_dense_phase_only():
     assert events == [(2, "mask_update"), (4, "mask_update"), (6, "phase_switch")]
 
 
+def test_dense_from_1_keeps_the_run_sparse_to_its_end():
+    model = _model()
+    sparsify(model, targets=["0", "2"], density=0.25, block=16, format="block", seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = Static(dense_from=1.0).attach(model, opt, 6)
+    assert _train(model, opt, sched, 6) == [None] * 6 and not sched.switched
+    assert isinstance(model[0], SparseLinear) and isinstance(model[2], SparseLinear)
+
+
 @pytest.mark.parametrize("bad", [0, 1.5, -0.1])
 def test_dense_from_outside_0_1_is_refused(bad):
     with pytest.raises(ValueError, match="dense_from"):

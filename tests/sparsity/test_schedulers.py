@@ -224,6 +224,22 @@ def test_sparse_then_dense_asks_for_update_steps_only_where_the_scheduler_sets_m
     assert events == [None] * 4 + ["phase_switch"] + [None] * 5
 
 
+@pytest.mark.parametrize("fmt", ["masked_st", "2:4"])
+def test_a_sparse_phase_as_long_as_the_run_never_switches(fmt):
+    # sparse_fraction 1.0: the run ends with its 2:4 layers (a switch at the last step would hand over the
+    # straight-through dense weights, unmasked, as the final model)
+    sched = SparseThenDense(sparse_fraction=1.0)
+    model, layers, optim = _setup(sched, density=1.0, block=1, fmt=fmt, steps=6)
+    gen = torch.Generator().manual_seed(0)
+    records = []
+    for step in range(1, 7):
+        _train_step(model, optim, gen)
+        records.append(sched.step(step))
+    assert records == [None] * 6 and not sched.switched and sched.density == 0.5
+    assert all(isinstance(model.get_submodule(n), SparseLinear) and is_transposable_nm(layer.mask)
+               for n, layer in layers.items())
+
+
 def test_scheduler_validation():
     with pytest.raises(ValueError, match="drop_fraction"):
         PruneRegrow(drop_fraction=1.5)
