@@ -169,6 +169,7 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "trainer.checkpoint_every", 0)
     _int(cfg, "trainer.keep_checkpoints", 1)
     _int(cfg, "trainer.num_workers", 0)
+    preflight.check_bool(cfg.trainer, "copy_ahead")
     _choice(cfg, "trainer.mixed_precision", MIXED_PRECISION)
     preflight.check_compile(cfg.trainer)
     _choice(cfg, "trainer.device", ("auto", "cpu", "cuda"))
@@ -424,7 +425,7 @@ def build_run(cfg: DictConfig) -> RunSpec:
         mixed_precision=t.mixed_precision, clip_grad_norm=t.clip_grad_norm, eval_every=t.eval_every,
         eval_batches=t.eval_batches, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
         keep_checkpoints=t.keep_checkpoints, resume=t.resume, init_from=t.get("init_from"), device=t.device,
-        num_workers=t.num_workers,
+        num_workers=t.num_workers, copy_ahead=bool(t.get("copy_ahead", False)),
         compile=bool(t.get("compile", False)), compile_mode=t.get("compile_mode"),
         activation_memory_budget=float(t.get("activation_memory_budget", 1.0)), cuda_graph=t.get("cuda_graph", False),
         lr_schedule=o.lr_schedule, warmup_steps=o.warmup_steps, min_lr_ratio=float(o.min_lr_ratio),

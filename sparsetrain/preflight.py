@@ -54,6 +54,12 @@ def check_compile(trainer: DictConfig) -> None:
         raise ConfigError("trainer.activation_memory_budget", f"must be a number in (0, 1], got {budget!r}")
 
 
+def check_bool(trainer: DictConfig, key: str, default: bool = False) -> None:
+    """``trainer.<key>`` is true or false."""
+    if not isinstance(trainer.get(key, default), bool):
+        raise ConfigError(f"trainer.{key}", f"must be true or false, got {trainer.get(key)!r}")
+
+
 def check_machine(device: str, mixed_precision: str, cuda_available: bool | None = None) -> None:
     """``trainer.device=cuda`` needs a GPU (never a silent CPU run); fp16 autocast needs one too (bf16 runs on
     the CPU)."""

@@ -49,6 +49,41 @@ def to_device(batch: dict, device) -> dict:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+class DeviceFeed:
+    """The batches of a :class:`Prefetcher` on ``device``. With ``ahead`` (pinned batches on CUDA), handing out batch
+    ``b`` starts the copy of ``b + 1`` on a stream of its own, so that it overlaps the step that uses ``b`` instead
+    of running on the step's stream before the next step (a ViT-B/16 step's 256 images, 154 MB: 2.87 ms of an 84 ms
+    step on an H200); the step's stream waits for that copy when it takes the batch. Otherwise each batch is copied
+    when asked for (:func:`to_device`)."""
+
+    def __init__(self, feed: Prefetcher, device, ahead: bool = False) -> None:
+        self.feed, self.device = feed, torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if ahead and self.device.type == "cuda" else None
+        self._next: tuple[int, dict, torch.cuda.Event] | None = None
+
+    def _start(self, b: int) -> None:
+        host = self.feed.get(b)
+        with torch.cuda.stream(self.stream):
+            batch = to_device(host, self.device)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        self._next = (b, batch, done)
+
+    def get(self, b: int) -> dict:
+        if self.stream is None:
+            return to_device(self.feed.get(b), self.device)
+        if self._next is None or self._next[0] != b:   # the first batch, or out of order: its copy starts now
+            self._start(b)
+        _, batch, done = self._next
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(done)
+        for t in batch.values():
+            if torch.is_tensor(t):
+                t.record_stream(stream)   # its memory is not reused before the step's stream is done with it
+        self._start(b + 1)
+        return batch
+
+
 def count_items(batch: dict[str, torch.Tensor]) -> tuple[int, str]:
     """``(items, rate key)``: tokens for token batches (``input_ids``), else samples."""
     if "input_ids" in batch:

@@ -33,7 +33,7 @@ from sparsetrain import flops as flop_count
 from sparsetrain.kernels import set_kernel_options
 from sparsetrain.training import checkpoint as ckpt
 from sparsetrain.training import metrics, resume
-from sparsetrain.training.batches import Batches, Prefetcher, count_items, to_device
+from sparsetrain.training.batches import Batches, DeviceFeed, Prefetcher, count_items
 from sparsetrain.training.evaluation import evaluate
 from sparsetrain.training.guard import (
     Guard,
@@ -244,7 +244,8 @@ class Trainer:
         self.window.start_loop()
         try:
             # trainer.num_workers threads collate (and, for graph steps, pin) the next batches while a step runs
-            with self.guard, Prefetcher(self.batches, self.micro, args.num_workers, pin=self.use_graph) as feed:
+            with self.guard, Prefetcher(self.batches, self.micro, args.num_workers, pin=self.use_graph) as host:
+                feed = DeviceFeed(host, self.accelerator.device, ahead=args.copy_ahead and self.use_graph)
                 while self.step < args.max_steps:
                     self._one_step(feed)
                 self.save_checkpoint(self.step)
@@ -253,7 +254,7 @@ class Trainer:
             raise
         return self.finish()
 
-    def _one_step(self, feed: Prefetcher) -> None:
+    def _one_step(self, feed: DeviceFeed) -> None:
         """One optimizer step and what the step count calls for after it."""
         t0 = time.perf_counter()
         loss, items = self.train_step(feed)
@@ -269,10 +270,7 @@ class Trainer:
         else:
             ranks = compare_masks(self.inner, self.accelerator.num_processes)  # several processes: one all-gather
             row = {"step": self.step, **record, "density": self.scheduler.density, **ranks.row}
-            if gated:
-                self.guard.hold(row)                        # logged once the guard's flag is read
-            else:
-                self.log(row)
+            self.guard.hold(row) if gated else self.log(row)   # gated: logged once the guard's flag is read
             ranks.raise_if_diverged(self.step)             # before the next optimizer step or checkpoint
         args, step = self.args, self.step
         if step % args.log_every == 0 or step == args.max_steps:
@@ -287,12 +285,12 @@ class Trainer:
         if stop and step < args.max_steps:
             self.stop_on_signal(stop)
 
-    def train_step(self, feed: Prefetcher) -> tuple[torch.Tensor, int]:
+    def train_step(self, feed: DeviceFeed) -> tuple[torch.Tensor, int]:
         """Read ``grad_accum`` micro-batches and run one optimizer step and the LR schedule's; return the step's
         loss (on the device) and the items (tokens or samples) this process read."""
         micro_batches, items = [], 0
         for _ in range(self.args.grad_accum):
-            batch = to_device(feed.get(self.micro), self.accelerator.device)  # pinned by the feed for graph steps
+            batch = feed.get(self.micro)  # on the device (pinned by the feed for graph steps)
             self.micro += 1
             n_items, self.rate_key = count_items(batch)
             items += n_items

@@ -45,6 +45,8 @@ class TrainArgs:
     init_from: str | None = None
     device: str = "auto"
     num_workers: int = 0
+    #: Copy the next batch to the GPU on a stream of its own while the step runs (pinned batches: CUDA graph steps).
+    copy_ahead: bool = False
     compile: bool = False
     compile_mode: str | None = None
     #: torch.compile: the share of the activations the compiled step keeps for its backward (1.0: as torch's

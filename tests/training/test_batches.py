@@ -1,9 +1,10 @@
 """Prefetched batches are the batches: whatever the number of threads, batch ``b`` is ``Batches.get(b)``, across
 epoch boundaries (the MLM collator draws its masks per epoch), and a run's losses do not change with it."""
+import pytest
 import torch
 
 from sparsetrain.data.mlm import MLMCollator, PackedSequences
-from sparsetrain.training.batches import Batches, Prefetcher
+from sparsetrain.training.batches import Batches, DeviceFeed, Prefetcher
 from sparsetrain.training.loop import train
 from sparsetrain.training.metrics import read_metrics
 from sparsetrain.training.setup import TrainArgs
@@ -53,3 +54,62 @@ def test_a_run_trains_the_same_with_input_threads(tmp_path):
         train(_spec(Static(), args), tmp_path / str(workers))
         losses[workers] = [r["loss"] for r in read_metrics(tmp_path / str(workers)) if "loss" in r]
     assert len(losses[0]) == 6 and losses[0] == losses[2]
+
+
+def test_the_device_feed_hands_out_the_prefetchers_batches_in_and_out_of_order():
+    plain = _mlm_batches(2)
+    with Prefetcher(_mlm_batches(2), start=0, workers=1) as host:
+        feed = DeviceFeed(host, "cpu", ahead=True)     # ahead needs CUDA: off the GPU each batch is copied when asked
+        assert feed.stream is None
+        assert all(_same(feed.get(b), plain.get(b)) for b in (0, 1, 5, 6))
+
+
+def test_a_run_with_copy_ahead_set_trains_the_same_off_the_gpu(tmp_path):
+    from sparsetrain.sparsity.schedulers import Static
+
+    losses = {}
+    for ahead in (False, True):
+        args = TrainArgs(max_steps=4, batch_size=4, eval_every=0, log_every=1, device="cpu", progress=False,
+                         plot=False, recipe="ahead", num_workers=1, copy_ahead=ahead)
+        train(_spec(Static(), args), tmp_path / str(ahead))
+        losses[ahead] = [r["loss"] for r in read_metrics(tmp_path / str(ahead)) if "loss" in r]
+    assert len(losses[False]) == 4 and losses[False] == losses[True]
+
+
+def test_copy_ahead_must_be_a_bool():
+    from sparsetrain.config import ConfigError, compose, validate
+
+    with pytest.raises(ConfigError, match="trainer.copy_ahead"):
+        validate(compose(["recipe=quickstart", "trainer=cpu_small", "trainer.copy_ahead=2"]))
+
+
+@pytest.mark.gpu
+def test_gpu_batches_copied_ahead_on_their_own_stream_equal_the_plain_ones_while_the_device_is_busy():
+    # every batch taken while the step's stream is busy with work that reads the previous one: a copy that raced
+    # the step, or memory reused before the step was done with it, would show as a different batch or sum
+    plain = _mlm_batches(3)
+    a = torch.randn(4096, 4096, device="cuda")
+    with Prefetcher(_mlm_batches(3), start=0, workers=2, pin=True) as host:
+        feed = DeviceFeed(host, "cuda", ahead=True)
+        assert feed.stream is not None
+        sums = []
+        for b in range(12):
+            batch = feed.get(b)
+            for _ in range(3):
+                a = (a @ a).tanh()                       # keeps the step's stream busy
+            sums.append(sum(int(v.sum()) for v in batch.values()))
+            assert _same({k: v.cpu() for k, v in batch.items()}, plain.get(b)), b
+    assert sums == [sum(int(v.sum()) for v in plain.get(b).values()) for b in range(12)]
+
+
+@pytest.mark.gpu
+def test_gpu_a_graphed_run_with_copy_ahead_trains_the_same(tmp_path):
+    from sparsetrain.sparsity.schedulers import Static
+
+    losses = {}
+    for ahead in (False, True):
+        args = TrainArgs(max_steps=8, batch_size=4, eval_every=0, log_every=1, device="cuda", progress=False,
+                         plot=False, recipe="ahead", num_workers=2, cuda_graph=True, copy_ahead=ahead)
+        train(_spec(Static(), args), tmp_path / str(ahead))
+        losses[ahead] = [r["loss"] for r in read_metrics(tmp_path / str(ahead)) if "loss" in r]
+    assert len(losses[False]) == 8 and losses[False] == losses[True]
