@@ -249,7 +249,7 @@ def test_block_is_parsed_once_and_keeps_its_spelling():
 
 
 #: Model settings that change speed and memory, not what is learned: every recipe of one model runs them alike
-SPEED_KEYS = ("fused_qkv", "fp32_residual", "attn_implementation", "max_position_embeddings")
+SPEED_KEYS = ("fused_qkv", "fp32_residual", "attn_implementation", "max_position_embeddings", "patch_matmul")
 
 
 def test_every_recipe_of_one_model_shares_its_speed_settings():
@@ -264,3 +264,10 @@ def test_every_recipe_of_one_model_shares_its_speed_settings():
         assert len({str(v) for v in recipes.values()}) == 1, f"{key}: recipes differ in speed settings: {recipes}"
     base = by_model[("bert", "base")]
     assert len(base) >= 5 and all(v["fused_qkv"] is True and v["fp32_residual"] is False for v in base.values())
+    # the settings come from the model's file in configs/speed/, so that a measured change is made in one place
+    recipes_dir = Path(__file__).resolve().parents[1] / "recipes"
+    for (arch, size), recipes in by_model.items():
+        if size in ("base", "large"):
+            for recipe in recipes:
+                text = (recipes_dir / f"{recipe}.yaml").read_text()
+                assert f"override /speed: {arch}_{size}" in text, f"{recipe}: no speed={arch}_{size} in its defaults"
