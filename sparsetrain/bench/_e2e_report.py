@@ -137,6 +137,25 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(s.rstrip() for s in out)
 
 
+def uneven_windows(runs: list[dict], tolerance: float = 0.03) -> list[str]:
+    """A line for each run whose measured windows (after the first, none holding a mask update) differ in step time
+    by more than ``tolerance``: something ran in one of them that the others did not (a phase switch, a recompile,
+    another process on the host), and the run's rate, their mean, includes it."""
+    from sparsetrain.training.metrics import clean_windows
+
+    out = []
+    for run in runs:
+        windows = run.get("windows") or []
+        idx = clean_windows(windows, run.get("updates") or [])
+        ms = {windows[i][0]: 1e3 * windows[i][2] / windows[i][1] for i in idx if windows[i][1] and windows[i][2] > 0}
+        if len(ms) >= 2 and max(ms.values()) > (1 + tolerance) * min(ms.values()):
+            steps = ", ".join(f"to step {end}: {v:.1f}" for end, v in ms.items())
+            rnd = f" round {run['round']}" if run.get("round", 1) > 1 else ""
+            out.append(f"uneven windows: {run['variant']} {run['mode']}{rnd}: ms a step {steps} (its rate is their "
+                       f"mean; something ran in the slower ones: see its metrics)")
+    return out
+
+
 FLOPS_NOTE = ("TFLOP/s: model FLOPs per second as `sparsetrain flops` counts the step (what runs: a sparse layer's "
               "active blocks; no elementwise work); % GEMM: of the bf16 GEMM rate measured first on this GPU ({})")
 NOTE = ("update ms: one mask update's cost = (mean step time of windows with an update - that of windows without) "

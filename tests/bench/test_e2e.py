@@ -435,3 +435,18 @@ def test_gpu_graph_mode_and_breakdown(tmp_path, capsys):
         assert b["kernels_ms"] > 0 and b["ms_per_step"]["linears"] + b["ms_per_step"]["block-sparse"] > 0
         assert 0 < b["head_flops_share"] < 1
     assert saved["breakdown"]["static_b16-eager"]["ms_per_step"]["block-sparse"] > 0
+
+
+def test_a_run_whose_measured_windows_differ_is_named_under_the_table():
+    # the windows of the ViT-B/16 2:4 run of 2026-11-29 (H200): its last window held the switch to dense at the final
+    # step (83.8 against 91.2 ms a step); dense's windows of the same round differ by 1.9%
+    semi24 = {"variant": "semi24", "mode": "compiled", "round": 2, "updates": [],
+              "windows": [[10, 10, 6.4789], [20, 10, 0.8422], [30, 10, 0.9110]]}
+    dense = {"variant": "dense", "mode": "compiled", "round": 2, "updates": [],
+             "windows": [[10, 10, 5.5521], [20, 10, 0.8081], [30, 10, 0.8184]]}
+    # a dynamic run's update windows are not compared (their cost is the update column's)
+    dynamic = {"variant": "dyn", "mode": "compiled", "updates": [25],
+               "windows": [[10, 10, 5.0], [20, 10, 0.80], [30, 10, 1.60]]}
+    lines = e2e_report.uneven_windows([semi24, dense, dynamic])
+    assert len(lines) == 1 and lines[0].startswith("uneven windows: semi24 compiled round 2:")
+    assert "to step 20: 84.2" in lines[0] and "to step 30: 91.1" in lines[0]
