@@ -64,6 +64,23 @@ def test_the_device_feed_hands_out_the_prefetchers_batches_in_and_out_of_order()
         assert all(_same(feed.get(b), plain.get(b)) for b in (0, 1, 5, 6))
 
 
+def test_ready_says_whether_a_thread_has_finished_the_batch():
+    import time
+
+    with Prefetcher(_mlm_batches(4), start=0, workers=2) as feed:
+        feed.get(0)                                   # batches 1 and 2 go to the threads
+        assert not feed.ready(5)                      # not asked for yet
+        deadline = time.monotonic() + 30
+        while not feed.ready(1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert feed.ready(1)
+        feed.get(1)
+        assert not feed.ready(1)                      # handed out
+    with Prefetcher(_mlm_batches(4), start=0, workers=0) as feed:
+        feed.get(0)
+        assert not feed.ready(1)                      # no threads: prepared when asked for
+
+
 def test_a_run_with_copy_ahead_set_trains_the_same_off_the_gpu(tmp_path):
     from sparsetrain.sparsity.schedulers import Static
 
@@ -100,6 +117,7 @@ def test_gpu_batches_copied_ahead_on_their_own_stream_equal_the_plain_ones_while
             sums.append(sum(int(v.sum()) for v in batch.values()))
             assert _same({k: v.cpu() for k, v in batch.items()}, plain.get(b)), b
     assert sums == [sum(int(v.sum()) for v in plain.get(b).values()) for b in range(12)]
+    assert feed.copied_ahead >= 6          # the threads keep up with this busy stream: most copies started early
 
 
 @pytest.mark.gpu
