@@ -35,13 +35,15 @@ class Batches:
         start = i * g + self.rank * self.batch_size
         return perm[start:start + self.batch_size].tolist()
 
-    def get(self, b: int) -> dict[str, torch.Tensor]:
+    def get(self, b: int, pin: bool = False) -> dict[str, torch.Tensor]:
+        """Batch ``b``; ``pin``: a collator that can (``collator.pins``) writes it into pinned memory itself."""
         idx = self.indices(b)
+        kw = {"pin": True} if pin and getattr(self.collator, "pins", False) else {}
         if hasattr(self.collator, "set_epoch"):  # the collator's epoch is shared state: one batch at a time
             with self._lock:
                 self.collator.set_epoch(b // self.per_epoch)
-                return self.collator([self.dataset[i] for i in idx])
-        return self.collator([self.dataset[i] for i in idx])
+                return self.collator([self.dataset[i] for i in idx], **kw)
+        return self.collator([self.dataset[i] for i in idx], **kw)
 
 
 def to_device(batch: dict, device) -> dict:
@@ -131,9 +133,9 @@ class Prefetcher:
         self._pending: dict[int, Future] = {}
 
     def _prepare(self, b: int) -> dict:
-        batch = self.batches.get(b)
+        batch = self.batches.get(b, pin=self.pin)
         if self.pin:
-            batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = {k: v if not torch.is_tensor(v) or v.is_pinned() else v.pin_memory() for k, v in batch.items()}
         return batch
 
     def get(self, b: int) -> dict:

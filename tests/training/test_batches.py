@@ -131,3 +131,42 @@ def test_gpu_a_graphed_run_with_copy_ahead_trains_the_same(tmp_path):
         train(_spec(Static(), args), tmp_path / str(ahead))
         losses[ahead] = [r["loss"] for r in read_metrics(tmp_path / str(ahead)) if "loss" in r]
     assert len(losses[False]) == 8 and losses[False] == losses[True]
+
+
+def test_a_collator_that_can_pin_is_asked_to_and_others_are_not():
+    from sparsetrain.data.vision import collate_images
+
+    seen = []
+
+    def plain(items):
+        seen.append("plain")
+        return {"x": torch.stack(items)}
+
+    def pinning(items, pin=False):
+        seen.append(("pinning", pin))
+        return {"x": torch.stack(items)}
+
+    pinning.pins = True
+    data = [torch.full((2,), float(i)) for i in range(8)]
+    for collator in (plain, pinning):
+        batches = Batches(data, collator, batch_size=4, world=1, rank=0, seed=0)
+        assert torch.equal(batches.get(1, pin=True)["x"], batches.get(1)["x"])
+    assert seen == ["plain", "plain", ("pinning", True), ("pinning", False)]
+    assert collate_images.pins is True
+    items = [{"pixel_values": torch.randn(3, 4, 4), "labels": i, "index": i} for i in range(3)]
+    out = collate_images(items)
+    assert torch.equal(out["pixel_values"], torch.stack([it["pixel_values"] for it in items]))
+    assert out["labels"].tolist() == [0, 1, 2]
+
+
+@pytest.mark.gpu
+def test_gpu_image_batches_are_stacked_straight_into_pinned_memory():
+    from sparsetrain.data.vision import build_image_data
+
+    data = build_image_data(source="synthetic", image_size=32, num_classes=10, synthetic_size=64, seed=0)
+    plain = Batches(data.train, data.collator, batch_size=8, world=1, rank=0, seed=0)
+    with Prefetcher(Batches(data.train, data.collator, batch_size=8, world=1, rank=0, seed=0), start=0, workers=2,
+                    pin=True) as feed:
+        for b in range(4):
+            got = feed.get(b)
+            assert all(v.is_pinned() for v in got.values()) and _same(got, plain.get(b))
