@@ -44,8 +44,7 @@ def check_no_missing(cfg: DictConfig) -> None:
 def check_compile(trainer: DictConfig) -> None:
     """``trainer.compile`` (a bool), ``trainer.compile_mode`` (null or one of :data:`COMPILE_MODES`) and
     ``trainer.activation_memory_budget`` (a number in (0, 1])."""
-    if not isinstance(trainer.get("compile", False), bool):
-        raise ConfigError("trainer.compile", f"must be true or false, got {trainer.compile!r}")
+    check_bool(trainer, "compile")
     mode = trainer.get("compile_mode")
     if mode is not None and mode not in COMPILE_MODES:
         raise ConfigError("trainer.compile_mode", f"must be one of {list(COMPILE_MODES)}, got {mode!r}")

@@ -39,7 +39,7 @@ def collate_images(examples: list[dict], pin: bool = False) -> dict[str, torch.T
     tensor([1])
     """
     images = [ex["pixel_values"] for ex in examples]
-    out = torch.empty((len(images), *images[0].shape), dtype=images[0].dtype, pin_memory=pin) if pin else None
+    out = torch.empty((len(images), *images[0].shape), dtype=images[0].dtype, pin_memory=True) if pin else None
     return {
         "pixel_values": torch.stack(images, out=out),
         "labels": torch.tensor([int(ex["labels"]) for ex in examples], dtype=torch.long),

@@ -244,12 +244,9 @@ def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str |
     it is loaded."""
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-    if not isinstance(fused_qkv, bool):
-        raise ValueError(f"fused_qkv must be true or false, got {fused_qkv!r}")
-    if not isinstance(fp32_residual, bool):
-        raise ValueError(f"fp32_residual must be true or false, got {fp32_residual!r}")
-    if not isinstance(patch_matmul, bool):
-        raise ValueError(f"patch_matmul must be true or false, got {patch_matmul!r}")
+    for name, value in (("fused_qkv", fused_qkv), ("fp32_residual", fp32_residual), ("patch_matmul", patch_matmul)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
     if patch_matmul and arch == "bert":
         raise ValueError("patch_matmul: a ViT's patch embedding setting; arch 'bert' has none (leave it false)")
     if arch != "hf":

@@ -30,6 +30,9 @@ class SparseThenDense(SparsityScheduler):
             if not layer.caps.straight_through:
                 raise ValueError(f"sparse_then_dense needs a straight-through format (sparsity.format=2:4 or "
                                  f"masked_st); layer {name} uses {layer.format_name!r}")
+        # layers that derive their mask in their own forward (the CUDA 2:4 format) need no update step (see
+        # is_update_step); the formats do not change before the switch, so this is read once
+        self._derive_masks = all(layer.caps.derives_mask for layer in self.layers.values())
         # a sparse phase as long as the run (sparse_fraction 1.0) never switches: the run ends with its 2:4 model (a
         # switch at the last step would hand over the straight-through dense weights, unmasked, and cost a step)
         end = int(round(self.sparse_fraction * self.total_steps))
@@ -66,7 +69,7 @@ class SparseThenDense(SparsityScheduler):
             return False
         if not self.layers:
             return True
-        return self._switch_due(step) or not all(layer.caps.derives_mask for layer in self.layers.values())
+        return self._switch_due(step) or not self._derive_masks
 
     def _switch_due(self, step: int) -> bool:
         return self.phase_end is not None and step >= self.phase_end
