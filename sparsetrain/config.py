@@ -160,15 +160,9 @@ def validate(cfg: DictConfig) -> None:
     allowed = _user_modules(cfg)
     preflight.check_no_missing(cfg)
     # trainer
-    _int(cfg, "trainer.max_steps", 1)
-    _int(cfg, "trainer.batch_size", 1)
-    _int(cfg, "trainer.grad_accum", 1)
-    _int(cfg, "trainer.eval_every", 0)
-    _int(cfg, "trainer.eval_batches", 1)
-    _int(cfg, "trainer.log_every", 1)
-    _int(cfg, "trainer.checkpoint_every", 0)
-    _int(cfg, "trainer.keep_checkpoints", 1)
-    _int(cfg, "trainer.num_workers", 0)
+    for key, lo in (("max_steps", 1), ("batch_size", 1), ("grad_accum", 1), ("eval_every", 0), ("eval_batches", 1),
+                    ("log_every", 1), ("checkpoint_every", 0), ("keep_checkpoints", 1), ("num_workers", 0)):
+        _int(cfg, f"trainer.{key}", lo)
     preflight.check_bool(cfg.trainer, "copy_ahead")
     _choice(cfg, "trainer.mixed_precision", MIXED_PRECISION)
     preflight.check_compile(cfg.trainer)
@@ -203,6 +197,7 @@ def validate(cfg: DictConfig) -> None:
     if arch == "bert" and data_kind == "build_image_data" or arch == "vit" and data_kind == "build_mlm_data":
         raise ConfigError("data", f"model.arch={arch!r} cannot train on data built by {data_kind}")
     _check_args(data_fn, cfg.data, "data")  # user data must exist before anything is built or written
+    _data_runtime(cfg, data_fn)  # data.pixel_dtype against the run's precision
     _check_args(model_fn, _model_kwargs(cfg), "model")
     # sparsity
     sp = cfg.sparsity
@@ -340,15 +335,22 @@ def model_builder(cfg: DictConfig) -> Callable:
     return partial(_call, _model_kwargs(cfg), "model", fn)
 
 
+def _model_says(cfg: DictConfig, attr: str) -> bool:
+    tells = getattr(resolve_target(cfg.model, "model", allowed=_user_modules(cfg)), attr, None)
+    return bool(tells is not None and _call(_model_kwargs(cfg), "model", tells))
+
+
 def _data_runtime(cfg: DictConfig, data_fn: Callable) -> dict:
-    """A data builder taking ``emit_positions`` puts ``masked_positions`` in its batches only for a model whose
-    builder says its forward takes them (``build_model.takes_masked_positions``: arch=bert, not a pretrained
-    model of any class)."""
-    if "emit_positions" not in inspect.signature(data_fn).parameters:
-        return {}
-    allowed = _user_modules(cfg)
-    tells = getattr(resolve_target(cfg.model, "model", allowed=allowed), "takes_masked_positions", None)
-    return {"emit_positions": bool(tells is not None and _call(_model_kwargs(cfg), "model", tells))}
+    """What a data builder takes from the rest of the run: ``emit_positions`` (``masked_positions`` in its batches
+    only for a model whose builder says its forward takes them: ``build_model.takes_masked_positions``, arch=bert)
+    and ``pixel_dtype`` (``auto`` resolved by :func:`preflight.pixel_dtype`, ``build_model.casts_pixels``)."""
+    params, out = inspect.signature(data_fn).parameters, {}
+    if "emit_positions" in params:
+        out["emit_positions"] = _model_says(cfg, "takes_masked_positions")
+    if "pixel_dtype" in params:
+        out["pixel_dtype"] = preflight.pixel_dtype(str(cfg.data.get("pixel_dtype", "auto")),
+                                                   str(cfg.trainer.mixed_precision), _model_says(cfg, "casts_pixels"))
+    return out
 
 
 def data_builder(cfg: DictConfig) -> Callable:

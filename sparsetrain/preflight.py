@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["BUILDERS", "COMPILE_MODES", "ConfigError", "check_compile", "check_format_fits_scheduler",
+__all__ = ["BUILDERS", "COMPILE_MODES", "ConfigError", "check_compile", "pixel_dtype", "check_format_fits_scheduler",
            "check_layout", "check_machine", "check_no_missing", "check_target_path", "resolve_target",
            "user_modules"]
 
@@ -73,6 +73,27 @@ def check_machine(device: str, mixed_precision: str, cuda_available: bool | None
     if mixed_precision == "fp16" and on_cpu:
         raise ConfigError("trainer.mixed_precision", "fp16 needs a CUDA GPU and this run is on the CPU; use "
                                                      "trainer.mixed_precision=bf16 or no")
+
+
+_COMPUTE_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}
+
+
+def pixel_dtype(asked: str, mixed_precision: str, casts_pixels: bool) -> str:
+    """``data.pixel_dtype`` as the run uses it: ``auto`` is the run's compute dtype where the model's first product
+    reads the pixels (``casts_pixels``: the same step from pixels in that dtype), else float32. A 16-bit dtype other
+    than the compute dtype, or any with a model that may do other work first, would change what it computes.
+
+    >>> pixel_dtype("auto", "bf16", True), pixel_dtype("auto", "bf16", False), pixel_dtype("auto", "no", True)
+    ('bfloat16', 'float32', 'float32')
+    """
+    compute = _COMPUTE_DTYPES.get(mixed_precision, "float32")
+    if asked == "auto":
+        return compute if casts_pixels else "float32"
+    if asked != "float32" and (asked != compute or not casts_pixels):
+        why = (f"trainer.mixed_precision={mixed_precision!r} computes in {compute}" if asked != compute
+               else "the model may use its pixels before a product (only a ViT built by sparsetrain does not)")
+        raise ConfigError("data.pixel_dtype", f"{asked} pixels would change the step: {why}; use auto or float32")
+    return asked
 
 
 def check_target_path(target: str, key: str) -> None:

@@ -378,10 +378,22 @@ def takes_masked_positions(arch: str = "bert", **_unused: Any) -> bool:
     return arch == "bert"
 
 
+def casts_pixels(arch: str = "bert", **_unused: Any) -> bool:
+    """Whether the first thing :func:`build_model`'s model does with its pixels is a product that autocast runs in
+    the compute dtype (a ViT built here: its patch embedding), so pixels handed over in that dtype give the same
+    step (``data.pixel_dtype=auto``). A pretrained model (``arch="hf"``) may do other work first: no.
+
+    >>> casts_pixels("vit"), casts_pixels("hf", name_or_path="google/vit-base-patch16-224")
+    (True, False)
+    """
+    return arch == "vit"
+
+
 build_model.check_args = check_model_args  # what sparsetrain.config calls before anything is built
 build_model.skeleton = build_skeleton
 build_model.takes_masked_positions = takes_masked_positions  # whether the data should emit masked_positions
+build_model.casts_pixels = casts_pixels  # whether image batches may come in the compute dtype
 
 
 __all__ = ["ARCHS", "MODEL_SIZES", "TASKS", "build_config", "build_model", "build_skeleton", "check_model_args",
-           "takes_masked_positions"]
+           "takes_masked_positions", "casts_pixels"]

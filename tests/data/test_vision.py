@@ -79,3 +79,55 @@ def test_image_folder_and_missing_folder(tmp_path):
         build_image_data("folder", folder=str(tmp_path / "no_such_folder"))
     with pytest.raises(ValueError, match="source"):
         build_image_data("mnist")
+
+
+@pytest.mark.parametrize("patch_matmul", [False, True])
+def test_a_vit_under_bf16_autocast_takes_the_same_step_from_bf16_pixels(patch_matmul):
+    """``data.pixel_dtype=auto`` hands a ViT built here its pixels in the compute dtype: its patch embedding is the
+    first product on them and autocast casts its input to bf16 anyway, so the loss and every gradient are the same,
+    bit for bit, with the convolution and with ``model.patch_matmul``."""
+    from sparsetrain.data.vision import ImageCollator
+    from sparsetrain.models import build_model
+
+    data = build_image_data("synthetic", image_size=32, synthetic_size=16, num_classes=4, seed=5)
+    items = [data.train[i] for i in range(6)]
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        batch = ImageCollator(dtype)(items)
+        assert batch["pixel_values"].dtype == dtype and batch["labels"].dtype == torch.long
+        torch.manual_seed(0)
+        model = build_model("vit", "tiny", image_size=32, patch_size=8, num_labels=4, task="image-classification",
+                            patch_matmul=patch_matmul)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss32, grads32), (loss16, grads16) = results
+    assert torch.equal(loss32, loss16)
+    assert grads32.keys() == grads16.keys() and all(torch.equal(grads32[n], grads16[n]) for n in grads32)
+    # and the bf16 batch is the float32 one rounded once, as autocast rounds it
+    batch32, batch16 = ImageCollator()(items), ImageCollator(torch.bfloat16)(items)
+    assert torch.equal(batch16["pixel_values"], batch32["pixel_values"].to(torch.bfloat16))
+    assert not torch.equal(batch16["pixel_values"].float(), batch32["pixel_values"])   # it did round
+
+
+def test_the_pixel_dtype_is_the_compute_dtype_only_where_it_changes_nothing():
+    """``auto``: bf16 pixels for a ViT built here under bf16 mixed precision, float32 otherwise; asking for a 16-bit
+    dtype the step would not cast to anyway is refused before anything runs, naming the key."""
+    from sparsetrain.config import ConfigError, compose, data_builder, validate
+
+    def dtype(overrides):
+        return data_builder(compose(overrides)).keywords["pixel_dtype"]
+
+    assert dtype(["recipe=vit_base_dense"]) == "bfloat16"
+    assert dtype(["recipe=vit_base_dense", "trainer.mixed_precision=no"]) == "float32"
+    assert dtype(["recipe=vit_base_dense", "data.pixel_dtype=float32"]) == "float32"
+    assert dtype(["recipe=quickstart", "model=vit_tiny", "data=digits", "trainer.mixed_precision=fp16"]) == "float16"
+    assert build_image_data("digits", image_size=8).collator.dtype == torch.float32   # the builder's own default
+    for bad in (["trainer.mixed_precision=no", "data.pixel_dtype=bfloat16"], ["data.pixel_dtype=float16"],
+                ["data.pixel_dtype=int8"]):
+        with pytest.raises(ConfigError) as e:
+            validate(compose(["recipe=vit_base_dense", *bad]))
+        assert e.value.key == "data.pixel_dtype", str(e.value)
+    with pytest.raises(ValueError, match="pixel_dtype"):
+        build_image_data("digits", image_size=8, pixel_dtype="auto")   # resolved by the config, not here
