@@ -118,8 +118,8 @@ def build_config(
             f"hidden_size={config.hidden_size} is not divisible by "
             f"num_attention_heads={config.num_attention_heads}"
         )
-    if arch == "vit" and attn_implementation == "sdpa":
-        attn_implementation = _unpadded_sdpa()
+    if arch == "vit" and attn_implementation in VIT_SDPA:
+        attn_implementation = _unpadded_sdpa(VIT_SDPA[attn_implementation])
     config._attn_implementation = attn_implementation
     return config
 
@@ -131,10 +131,29 @@ def build_config(
 #: (ViT-B/16 compiled on an H200: ~33 ms of a 110 ms forward and backward). BERT avoids the same through
 #: :class:`~sparsetrain.models.mlm.BertForMaskedPositionsLM`. The name is not saved with the config.
 UNPADDED_SDPA = "sparsetrain_sdpa_unpadded"
+#: ``attn_implementation`` values of a ViT built here: "sdpa" lets PyTorch choose SDPA's kernel; the others put one
+#: kernel first (on CUDA; PyTorch falls back to the next where it cannot run), e.g. cuDNN's fused attention.
+VIT_SDPA = {"sdpa": None, "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
+            "sdpa_efficient": "EFFICIENT_ATTENTION"}
 
 
-@functools.cache   # registered once per process
-def _unpadded_sdpa() -> str:
+def _preferring(backend: str, forward):
+    """``forward`` (transformers' SDPA attention) with SDPA's ``backend`` first on CUDA tensors."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rest = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH)
+    order = [getattr(SDPBackend, backend)] + [b for b in rest if b.name != backend]
+
+    def attend(module, query, *args, **kwargs):
+        if not query.is_cuda:
+            return forward(module, query, *args, **kwargs)
+        with sdpa_kernel(order, set_priority=True):
+            return forward(module, query, *args, **kwargs)
+    return attend
+
+
+@functools.cache   # registered once per process and backend
+def _unpadded_sdpa(backend: str | None = None) -> str:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -142,9 +161,12 @@ def _unpadded_sdpa() -> str:
     def mask(*args, attention_mask=None, **kwargs):
         return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
-    AttentionInterface.register(UNPADDED_SDPA, sdpa_attention_forward)
-    AttentionMaskInterface.register(UNPADDED_SDPA, mask)
-    return UNPADDED_SDPA
+    # (transformers treats any name with "flash" in it as its own flash-attention kernels)
+    name = UNPADDED_SDPA if backend is None else f"{UNPADDED_SDPA}_{backend.lower().replace('flash', 'fa')}"
+    AttentionInterface.register(name, sdpa_attention_forward if backend is None
+                                else _preferring(backend, sdpa_attention_forward))
+    AttentionMaskInterface.register(name, mask)
+    return name
 
 
 def build_model(
@@ -237,7 +259,7 @@ FUSABLE_MODEL_TYPES = ("bert", "vit")
 
 def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str | None = None, task: str = "mlm",
                      fused_qkv: bool = False, fp32_residual: bool = True, patch_matmul: bool = False,
-                     **_unused: Any) -> None:
+                     attn_implementation: str = "sdpa", **_unused: Any) -> None:
     """Cheap checks of :func:`build_model`'s arguments (no weights read, no network): raises ValueError whose
     message starts with the argument's name. A local ``name_or_path`` must be a folder with a JSON
     ``config.json`` and an intact weight file (the safetensors header is read); a hub name is checked when
@@ -249,6 +271,9 @@ def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str |
             raise ValueError(f"{name} must be true or false, got {value!r}")
     if patch_matmul and arch == "bert":
         raise ValueError("patch_matmul: a ViT's patch embedding setting; arch 'bert' has none (leave it false)")
+    if str(attn_implementation).startswith("sdpa_") and (arch != "vit" or attn_implementation not in VIT_SDPA):
+        raise ValueError(f"attn_implementation: {attn_implementation!r} is one of a ViT's {tuple(VIT_SDPA)} "
+                         f"(arch {arch!r} takes eager or sdpa)")
     if arch != "hf":
         _size(arch, size)
         return

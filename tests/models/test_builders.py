@@ -134,3 +134,54 @@ def test_vit_sdpa_builds_no_attention_mask_for_unpadded_images(monkeypatch):
     full = masking_utils.create_bidirectional_mask(config=plain, inputs_embeds=emb, attention_mask=None)
     assert full is not None and full.shape == (2, 1, 5, 5) and full.all()     # plain "sdpa": the all-True mask
     assert masking_utils.create_bidirectional_mask(config=sdpa.config, inputs_embeds=emb, attention_mask=None) is None
+
+
+@pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
+def test_a_vit_can_put_one_sdpa_kernel_first(backend):
+    """``attn_implementation=sdpa_cudnn`` (flash, efficient): the unpadded SDPA attention with that kernel first on
+    CUDA; the same logits as plain "sdpa" (on the CPU it is plain "sdpa"), also compiled in one graph; refused for
+    BERT and for unknown names, naming the key."""
+    from sparsetrain.models.builders import UNPADDED_SDPA, check_model_args
+
+    torch.manual_seed(0)
+    plain = build_model("vit", "tiny", image_size=32, patch_size=16, num_labels=10, attn_implementation="sdpa").eval()
+    first = build_model("vit", "tiny", image_size=32, patch_size=16, num_labels=10, attn_implementation=backend)
+    first.load_state_dict(plain.state_dict())
+    assert first.config._attn_implementation.startswith(UNPADDED_SDPA + "_")
+    assert "_attn_implementation" not in first.config.to_dict()
+    x = torch.randn(3, 3, 32, 32)
+    expected = plain(pixel_values=x).logits
+    assert torch.equal(first.eval()(pixel_values=x).logits, expected)
+    compiled = torch.compile(first, fullgraph=True)
+    assert torch.allclose(compiled(pixel_values=x).logits, expected, atol=1e-5)
+    for arch, value in (("bert", backend), ("vit", "sdpa_math")):
+        with pytest.raises(ValueError, match="^attn_implementation"):
+            check_model_args(arch, "tiny", attn_implementation=value)
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_cudnn_runs_cudnn_attention_in_the_compiled_vit():
+    """On a GPU, ``sdpa_cudnn`` reaches the compiled ViT's graph: its profile lists cuDNN's attention kernels and
+    not the flash ones; its logits and gradients match plain "sdpa"'s (bf16 tolerance)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    kw = dict(image_size=224, patch_size=16, num_labels=10)
+    plain = build_model("vit", "tiny", attn_implementation="sdpa", **kw).cuda()
+    first = build_model("vit", "tiny", attn_implementation="sdpa_cudnn", **kw).cuda()
+    first.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 3, 224, 224, device="cuda")
+    outs = {}
+    for name, model in (("plain", plain), ("cudnn", first)):
+        step = torch.compile(model)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            step(pixel_values=x).logits.float().sum().backward()     # compile
+        model.zero_grad()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof, torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = step(pixel_values=x).logits.float()
+            logits.sum().backward()
+        kernels = " ".join(e.key for e in prof.key_averages()).lower()
+        outs[name] = (logits.detach(), model.vit.embeddings.patch_embeddings.projection.weight.grad.clone(), kernels)
+    assert "cudnn" in outs["cudnn"][2] and "flash_fwd" not in outs["cudnn"][2]
+    torch.testing.assert_close(outs["cudnn"][0], outs["plain"][0], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["cudnn"][1], outs["plain"][1], atol=5e-2, rtol=5e-2)
