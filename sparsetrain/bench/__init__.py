@@ -12,6 +12,7 @@ BENCHES = {
     "semi24": "sparsetrain.bench.semi24",
     "inference": "sparsetrain.bench.inference",
     "e2e": "sparsetrain.bench.e2e",
+    "attention": "sparsetrain.bench.attention",
 }
 
 
