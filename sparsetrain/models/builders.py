@@ -118,8 +118,8 @@ def build_config(
             f"hidden_size={config.hidden_size} is not divisible by "
             f"num_attention_heads={config.num_attention_heads}"
         )
-    if arch == "vit" and attn_implementation in VIT_SDPA:
-        attn_implementation = _unpadded_sdpa(VIT_SDPA[attn_implementation])
+    if attn_implementation in SDPA_FIRST or arch == "vit" and attn_implementation == "sdpa":
+        attn_implementation = _unpadded_sdpa(SDPA_FIRST.get(attn_implementation))
     config._attn_implementation = attn_implementation
     return config
 
@@ -131,10 +131,9 @@ def build_config(
 #: (ViT-B/16 compiled on an H200: ~33 ms of a 110 ms forward and backward). BERT avoids the same through
 #: :class:`~sparsetrain.models.mlm.BertForMaskedPositionsLM`. The name is not saved with the config.
 UNPADDED_SDPA = "sparsetrain_sdpa_unpadded"
-#: ``attn_implementation`` values of a ViT built here: "sdpa" lets PyTorch choose SDPA's kernel; the others put one
-#: kernel first (on CUDA; PyTorch falls back to the next where it cannot run), e.g. cuDNN's fused attention.
-VIT_SDPA = {"sdpa": None, "sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
-            "sdpa_efficient": "EFFICIENT_ATTENTION"}
+#: ``attn_implementation`` values of a BERT or ViT built here that put one of SDPA's kernels first (on CUDA; PyTorch
+#: falls back to the next where it cannot run), e.g. cuDNN's fused attention; "sdpa" lets PyTorch choose.
+SDPA_FIRST = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION", "sdpa_efficient": "EFFICIENT_ATTENTION"}
 
 
 def _preferring(backend: str, forward):
@@ -271,9 +270,9 @@ def check_model_args(arch: str = "bert", size: str = "tiny", name_or_path: str |
             raise ValueError(f"{name} must be true or false, got {value!r}")
     if patch_matmul and arch == "bert":
         raise ValueError("patch_matmul: a ViT's patch embedding setting; arch 'bert' has none (leave it false)")
-    if str(attn_implementation).startswith("sdpa_") and (arch != "vit" or attn_implementation not in VIT_SDPA):
-        raise ValueError(f"attn_implementation: {attn_implementation!r} is one of a ViT's {tuple(VIT_SDPA)} "
-                         f"(arch {arch!r} takes eager or sdpa)")
+    if str(attn_implementation).startswith("sdpa_") and (arch == "hf" or attn_implementation not in SDPA_FIRST):
+        raise ValueError(f"attn_implementation: {attn_implementation!r} is not one of eager, sdpa, "
+                         f"{', '.join(SDPA_FIRST)}" + (" (a model built here: arch bert or vit)" if arch == "hf" else ""))
     if arch != "hf":
         _size(arch, size)
         return

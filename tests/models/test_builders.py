@@ -139,8 +139,8 @@ def test_vit_sdpa_builds_no_attention_mask_for_unpadded_images(monkeypatch):
 @pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
 def test_a_vit_can_put_one_sdpa_kernel_first(backend):
     """``attn_implementation=sdpa_cudnn`` (flash, efficient): the unpadded SDPA attention with that kernel first on
-    CUDA; the same logits as plain "sdpa" (on the CPU it is plain "sdpa"), also compiled in one graph; refused for
-    BERT and for unknown names, naming the key."""
+    CUDA; the same logits as plain "sdpa" (on the CPU it is plain "sdpa"), also compiled in one graph, for a ViT and
+    a BERT; refused for pretrained models and unknown names, naming the key."""
     from sparsetrain.models.builders import UNPADDED_SDPA, check_model_args
 
     torch.manual_seed(0)
@@ -154,9 +154,18 @@ def test_a_vit_can_put_one_sdpa_kernel_first(backend):
     assert torch.equal(first.eval()(pixel_values=x).logits, expected)
     compiled = torch.compile(first, fullgraph=True)
     assert torch.allclose(compiled(pixel_values=x).logits, expected, atol=1e-5)
-    for arch, value in (("bert", backend), ("vit", "sdpa_math")):
+    for arch, value in (("hf", backend), ("vit", "sdpa_math"), ("bert", "sdpa_math")):
         with pytest.raises(ValueError, match="^attn_implementation"):
-            check_model_args(arch, "tiny", attn_implementation=value)
+            check_model_args(arch, "tiny", name_or_path="some/model", attn_implementation=value)
+    # BERT takes them too (its recipes keep "sdpa": they train with attention dropout, where cuDNN was slower)
+    check_model_args("bert", "tiny", attn_implementation=backend)
+    bert = build_model("bert", "tiny", vocab_size=100, seq_len=16, attn_implementation="sdpa").eval()
+    bert_first = build_model("bert", "tiny", vocab_size=100, seq_len=16, attn_implementation=backend).eval()
+    bert_first.load_state_dict(bert.state_dict())
+    ids, where = torch.randint(0, 100, (2, 16)), torch.tensor([[1, 5], [2, 9]])
+    assert bert_first.config._attn_implementation.startswith(UNPADDED_SDPA + "_")
+    assert torch.equal(bert_first(ids, masked_positions=where).logits, bert(ids, masked_positions=where).logits)
+    assert torch.allclose(bert_first(ids).logits, bert(ids).logits, atol=1e-6)       # the plain MLM path too
 
 
 @pytest.mark.gpu
