@@ -6,7 +6,8 @@
 For each shape, q/k/v are views of a [B, S, H·d] projection (as transformers' attention makes them), bf16; each
 backend that can run it is timed forward and forward+backward (triton's ``do_bench`` medians), in ms for
 ``--layers`` layers, and its output compared with the first backend's. ``model.attn_implementation`` puts one of
-them first in a ViT (``sdpa_cudnn``, ``sdpa_flash``, ``sdpa_efficient``): docs/benchmarks/e2e.md.
+them first in a BERT or ViT built here (``sdpa_cudnn``, ``sdpa_flash``, ``sdpa_efficient``; the ViT recipes:
+cuDNN): docs/choosing.md, docs/benchmarks/e2e.md.
 """
 from __future__ import annotations
 
