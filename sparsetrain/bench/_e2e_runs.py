@@ -15,6 +15,7 @@ from pathlib import Path
 from sparsetrain.bench._child import run_child
 from sparsetrain.bench._e2e_report import _num, build_table
 from sparsetrain.bench._e2e_variants import Variant, merged, recipe_facts, run_overrides
+from sparsetrain.bench._gpu_clock import ClockSampler, nvml_handle
 
 HYDRA_HINT = "HYDRA_FULL_ERROR"
 RESULTS_FILE = "e2e_results.json"
@@ -69,6 +70,7 @@ class Bench:
             self.done = json.loads(saved.read_text()).get("done", {})
         self.results = {"argv": ["sparsetrain", "bench", "e2e", *argv], "env": {}, "runs": [], "table": [],
                         "breakdown": {}}
+        self.clock = None   # NVML's handle of the runs' GPU (set by run() where there is one): their clocks
 
     def say(self, msg: str) -> None:
         print(f"[{time.time() - self.t0:5.0f} s] {msg}", flush=True)
@@ -109,9 +111,10 @@ class Bench:
         shutil.rmtree(run_dir, ignore_errors=True)
         self.say(f"{index} {name}: sparsetrain train {' '.join(overrides)}")
         t = time.time()
-        rc, last = self._spawn(name, [sys.executable, "-m", "sparsetrain.cli", "train", *overrides,
-                                      f"hydra.run.dir={run_dir}"])
-        result = {"variant": variant.name, "mode": mode, "round": rnd, "overrides": overrides,
+        with ClockSampler(self.clock) as clock:
+            rc, last = self._spawn(name, [sys.executable, "-m", "sparsetrain.cli", "train", *overrides,
+                                          f"hydra.run.dir={run_dir}"])
+        result = {**(clock.summary() or {}), "variant": variant.name, "mode": mode, "round": rnd, "overrides": overrides,
                   "seconds": time.time() - t,
                   "items_per_step": self.args.batch * (self.args.seq if facts.get("text") else 1),
                   **{k: facts.get(k) for k in ("dynamic", "recipe_interval", "recipe_steps", "recipe_num_updates")}}
@@ -162,6 +165,7 @@ class Bench:
             self.say(f"{' and '.join(gpu_only)} mode needs a CUDA GPU; skipped")
         self.say(f"run directories under {self.out}" + ("" if args.keep else " (removed after reading)"))
         self.results["env"] = _env()
+        self.clock = nvml_handle() if "gpu" in self.results["env"] else None
         # rounds one after another, each running every variant and mode once: a drift of the GPU's clock over the
         # invocation reaches every variant alike, and each ratio is taken within its round
         jobs = [(v, m, rnd) for rnd in range(1, args.repeat + 1) for v in args.variant_list for m in modes]

@@ -34,6 +34,7 @@ from sparsetrain.bench._e2e_breakdown import format_breakdown, profile_child
 from sparsetrain.bench._e2e_report import FLOPS_NOTE, NOTE, format_table, plot, uneven_windows
 from sparsetrain.bench._e2e_runs import RESULTS_FILE, Bench
 from sparsetrain.bench._e2e_variants import DEFAULT_BATCH, DEFAULT_VARIANTS, MODES, Variant
+from sparsetrain.bench._gpu_clock import clock_lines
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -101,7 +102,8 @@ def main(argv: list[str]) -> int:
         print(FLOPS_NOTE.format(f"{gemm:.0f} TFLOP/s" if gemm else "not measured: no CUDA GPU"))
     if any(r.get("update") for r in rows):
         print(NOTE)
-    for line in uneven_windows(bench.results.get("runs", [])):
+    for line in uneven_windows(bench.results.get("runs", [])) + clock_lines(bench.results.get("runs", []),
+                                                                            args.baseline):
         print(line)
     if bench.results["breakdown"]:
         print("\n==== per-step breakdown (ms per step, 3 profiled steps; head: FLOPs share from sparsetrain.flops, "

@@ -375,7 +375,7 @@ def test_module_is_cheap_to_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == ("['sparsetrain.bench', 'sparsetrain.bench._child', 'sparsetrain.bench._e2e_breakdown', "
                            "'sparsetrain.bench._e2e_report', 'sparsetrain.bench._e2e_runs', "
-                           "'sparsetrain.bench._e2e_variants', 'sparsetrain.bench.e2e']")
+                           "'sparsetrain.bench._e2e_variants', 'sparsetrain.bench._gpu_clock', 'sparsetrain.bench.e2e']")
 
 
 def test_stop_signal_saves_finished_runs_and_exits_128_plus_signal(tmp_path, monkeypatch, capsys):
