@@ -152,6 +152,8 @@ def test_a_vit_can_put_one_sdpa_kernel_first(backend):
     x = torch.randn(3, 3, 32, 32)
     expected = plain(pixel_values=x).logits
     assert torch.equal(first.eval()(pixel_values=x).logits, expected)
+    if backend != "sdpa_cudnn":   # one compile and one BERT are enough: the wrapper is the same for each kernel
+        return
     compiled = torch.compile(first, fullgraph=True)
     assert torch.allclose(compiled(pixel_values=x).logits, expected, atol=1e-5)
     for arch, value in (("hf", backend), ("vit", "sdpa_math"), ("bert", "sdpa_math")):
