@@ -139,8 +139,8 @@ def test_vit_sdpa_builds_no_attention_mask_for_unpadded_images(monkeypatch):
 @pytest.mark.parametrize("backend", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient"])
 def test_a_vit_can_put_one_sdpa_kernel_first(backend):
     """``attn_implementation=sdpa_cudnn`` (flash, efficient): the unpadded SDPA attention with that kernel first on
-    CUDA; the same logits as plain "sdpa" (on the CPU it is plain "sdpa"), also compiled in one graph, for a ViT and
-    a BERT; refused for pretrained models and unknown names, naming the key."""
+    CUDA; the same logits as plain "sdpa" (on the CPU it is plain "sdpa"), for a ViT and a BERT; refused for
+    pretrained models and unknown names, naming the key."""
     from sparsetrain.models.builders import UNPADDED_SDPA, check_model_args
 
     torch.manual_seed(0)
@@ -152,10 +152,8 @@ def test_a_vit_can_put_one_sdpa_kernel_first(backend):
     x = torch.randn(3, 3, 32, 32)
     expected = plain(pixel_values=x).logits
     assert torch.equal(first.eval()(pixel_values=x).logits, expected)
-    if backend != "sdpa_cudnn":   # one compile and one BERT are enough: the wrapper is the same for each kernel
-        return
-    compiled = torch.compile(first, fullgraph=True)
-    assert torch.allclose(compiled(pixel_values=x).logits, expected, atol=1e-5)
+    if backend != "sdpa_cudnn":   # one BERT is enough: the wrapper is the same for each kernel (the compiled graph
+        return                    # with the kernel first: test_gpu_sdpa_cudnn_runs_cudnn_attention_in_the_compiled_vit)
     for arch, value in (("hf", backend), ("vit", "sdpa_math"), ("bert", "sdpa_math")):
         with pytest.raises(ValueError, match="^attn_implementation"):
             check_model_args(arch, "tiny", name_or_path="some/model", attn_implementation=value)
