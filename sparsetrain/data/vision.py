@@ -62,10 +62,7 @@ class ImageCollator:
         return f"ImageCollator({self.dtype})"
 
 
-#: Stack items into ``{"pixel_values": float[B, C, H, W], "labels": long[B]}``; ``pin=True`` stacks the images
-#: straight into pinned memory (the copy to the GPU then starts from where they were stacked: one host copy of a
-#: batch's images instead of two; ViT-B/16's 256 images are 154 MB). ``Batches.get`` asks for ``pin`` when the
-#: feed pins (``pins``).
+#: :class:`ImageCollator` in float32: what ``build_image_data(pixel_dtype="float32")`` hands out.
 collate_images = ImageCollator(torch.float32)
 
 
