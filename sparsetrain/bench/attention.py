@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 #: name -> (batch, heads, sequence, head dim) as the recipes run them
 SHAPES = {"vit_b": (256, 12, 197, 64), "vit_l": (128, 16, 197, 64), "bert_b": (256, 12, 128, 64),
-          "bert_l": (256, 16, 128, 64)}
+          "bert_b512": (64, 12, 512, 64), "bert_l": (256, 16, 128, 64)}
 BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 

@@ -157,7 +157,7 @@ def test_a_vit_can_put_one_sdpa_kernel_first(backend):
     for arch, value in (("hf", backend), ("vit", "sdpa_math"), ("bert", "sdpa_math")):
         with pytest.raises(ValueError, match="^attn_implementation"):
             check_model_args(arch, "tiny", name_or_path="some/model", attn_implementation=value)
-    # BERT takes them too (its recipes keep "sdpa": they train with attention dropout, where cuDNN was slower)
+    # BERT takes them too (its recipes put cuDNN first: configs/speed/bert_base.yaml)
     check_model_args("bert", "tiny", attn_implementation=backend)
     bert = build_model("bert", "tiny", vocab_size=100, seq_len=16, attn_implementation="sdpa").eval()
     bert_first = build_model("bert", "tiny", vocab_size=100, seq_len=16, attn_implementation=backend).eval()
@@ -194,3 +194,36 @@ def test_gpu_sdpa_cudnn_runs_cudnn_attention_in_the_compiled_vit():
     assert "cudnn" in outs["cudnn"][2] and "flash_fwd" not in outs["cudnn"][2]
     torch.testing.assert_close(outs["cudnn"][0], outs["plain"][0], atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs["cudnn"][1], outs["plain"][1], atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["CUDNN_ATTENTION", "FLASH_ATTENTION"])
+def test_gpu_attention_dropout_draws_new_masks_at_every_cuda_graph_replay(kernel):
+    """BERT's recipes train with attention dropout inside a CUDA graph: each replay of the captured SDPA must draw
+    a new dropout mask (the generator's offset advanced per replay), not repeat the captured one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(4, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def attend():
+        with sdpa_kernel([getattr(SDPBackend, kernel)]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        attend()                                            # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = attend()
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(out.clone())
+    with sdpa_kernel([getattr(SDPBackend, kernel)]):
+        undropped = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert not torch.equal(replays[0], replays[1])
+    assert not torch.allclose(replays[0], undropped, atol=1e-2)
