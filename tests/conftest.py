@@ -3,8 +3,8 @@
 On a machine without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1, which Triton
 reads when a kernel is decorated, so it is set here before any kernel module is imported). The
 interpreter is right in float16/float32 and wrong in bfloat16: CPU tests use fp16/fp32 only.
-GPU-only tests carry `@pytest.mark.gpu`; the README's CPU command deselects them with `-m "not gpu"`,
-and the device machine runs them with `pytest -m gpu`.
+GPU-only tests carry `@pytest.mark.gpu`; the README's CPU command deselects them with `-m "not gpu"`
+(and runs the rest in two processes, `-n 2`: pytest-xdist), and the device machine runs them with `pytest -m gpu`.
 """
 import os
 
