@@ -76,6 +76,7 @@ class SparseLinear(nn.Module):
         self.capture_dense_grad = False
         self.dense_grad: Tensor | None = None
         self.grad_probe: Tensor | None = None   # see arm_dense_grad
+        self.mask_is_scratch = False            # ``mask`` shared by layers of one shape: Semi24Format.share_masks
         self.storage: WeightFormat = get_format(format)
         self.storage.setup(self, weight, self.mask)
 
@@ -207,7 +208,12 @@ class SparseLinear(nn.Module):
         return self.storage.weight_parameter(self)
 
     def element_mask(self) -> Tensor:
-        return to_element_mask(self.mask, self.block)
+        return to_element_mask(self.current_mask(), self.block)
+
+    def current_mask(self) -> Tensor:
+        """The block mask as it is now: ``mask``, or, where that buffer is scratch shared by the layers of one
+        shape (2:4 layers that derive their mask in every forward), this layer's own mask computed anew."""
+        return self.storage.current_mask(self)
 
     def settle_regrown_moments(self, optimizer: torch.optim.Optimizer | None) -> None:
         """After :meth:`set_mask`: the regrown weights' Adam second moment becomes the mean of the others'
@@ -241,7 +247,7 @@ class SparseLinear(nn.Module):
                    optimizer: torch.optim.Optimizer | None = None) -> None:
         """Move to another storage format (e.g. masked -> block on GPU). Call before building the optimizer,
         or pass it: the old weight parameter's optimizer state is dropped."""
-        weight, mask = self.storage.state_weight(self).clone(), self.mask.clone()
+        weight, mask = self.storage.state_weight(self).clone(), self.current_mask().clone()
         old = self.weight_parameter()
         for name in [n for n, p in self._parameters.items() if p is old]:
             del self._parameters[name]
@@ -253,7 +259,7 @@ class SparseLinear(nn.Module):
     @property
     def density(self) -> float:
         """Fraction of active weights."""
-        return float(self.mask.float().mean().item())
+        return float(self.current_mask().float().mean().item())
 
     @property
     def n_active(self) -> int:
@@ -277,7 +283,8 @@ class SparseLinear(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         destination[prefix + "weight"] = self.storage.state_weight(self) if not keep_vars else \
             self.storage.state_weight(self)
-        destination[prefix + "mask"] = self.mask if keep_vars else self.mask.detach().clone()
+        mask = self.current_mask()
+        destination[prefix + "mask"] = mask if keep_vars else mask.detach().clone()
         if self.bias is not None:
             destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 

@@ -50,7 +50,7 @@ def layer_signatures(model: nn.Module) -> tuple[list[str], Tensor]:
     layers = sparse_layers(model)
     hashes, offset = [], 0
     for layer in layers.values():
-        mask = layer.mask.detach().flatten()
+        mask = (layer.current_mask() if hasattr(layer, "current_mask") else layer.mask).detach().flatten()
         position = torch.arange(offset, offset + mask.numel(), dtype=torch.int64, device=mask.device)
         hashes.append(torch.where(mask.bool(), _mix(position + 1), 0).sum())
         offset += mask.numel()

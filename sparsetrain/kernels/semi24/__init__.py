@@ -31,7 +31,13 @@ from sparsetrain.kernels.semi24.cusparselt import (
     select_alg,
     sparse_mm_t,
 )
-from sparsetrain.kernels.semi24.mask import Sparsified, kernel_available, transposable24, transposable24_mask
+from sparsetrain.kernels.semi24.mask import (
+    Sparsified,
+    kernel_available,
+    transposable24,
+    transposable24_mask,
+    transposable24_mask_of,
+)
 from sparsetrain.kernels.semi24.op import (
     MODES,
     Semi24LinearFn,
@@ -53,6 +59,6 @@ __all__ = [
     "AlgChoice", "Semi24LinearFn", "Sparsified",
     "alg_table", "compress", "compute_dtype", "cslt_available", "cslt_pack_reference", "cslt_unpack_reference",
     "is_transposable24", "kernel_available", "pack_supported", "pad_tokens", "select_alg", "semi24_dense_linear",
-    "semi24_linear", "semi24_linear_reference", "sparse_mm_t", "transposable24", "transposable24_mask",
+    "semi24_linear", "semi24_linear_reference", "sparse_mm_t", "transposable24", "transposable24_mask", "transposable24_mask_of",
     "transposable24_reference",
 ]

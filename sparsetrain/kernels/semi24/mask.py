@@ -1,7 +1,8 @@
 """The transposable 2:4 mask on the device: :func:`transposable24` launches the Triton kernel (:mod:`._triton`)
 that masks ``W`` and, in the same pass, writes what the products need (``W⊙M``, ``(W⊙M)ᵀ`` or both already in
 cuSPARSELt's compressed layout). :func:`transposable24_mask` (``torch.ops.sparsetrain.transposable24_mask``)
-is the mask alone as a custom op, for the masked-dense linear that ``torch.compile`` traces.
+is the mask alone as a custom op, for the masked-dense linear that ``torch.compile`` traces
+(:func:`transposable24_mask_of` the same into a new tensor).
 """
 from __future__ import annotations
 
@@ -122,6 +123,10 @@ def transposable24_mask(weight: Tensor, mask_out: Tensor, out_dtype: torch.dtype
     >>> int(m.sum())
     64
     """
+    _write_mask(weight, mask_out, out_dtype)
+
+
+def _write_mask(weight: Tensor, mask_out: Tensor, out_dtype: torch.dtype) -> None:
     # no autocast either: the reference's pattern scores are a matmul, which CPU autocast would round to 16 bits
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         if weight.is_cuda and kernel_available(weight.device):
@@ -133,3 +138,21 @@ def transposable24_mask(weight: Tensor, mask_out: Tensor, out_dtype: torch.dtype
 @transposable24_mask.register_fake
 def _(weight, mask_out, out_dtype):
     return None
+
+
+@torch.library.custom_op("sparsetrain::transposable24_mask_of", mutates_args=())
+def transposable24_mask_of(weight: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """:func:`transposable24_mask` into a new bool tensor: in a compiled step the mask is then a temporary of the
+    step's own memory, used at once and not kept (a layer whose ``mask`` buffer is shared scratch).
+
+    >>> int(torch.ops.sparsetrain.transposable24_mask_of(torch.randn(8, 16), torch.float32).sum())
+    64
+    """
+    mask = torch.empty(weight.shape, dtype=torch.bool, device=weight.device)
+    _write_mask(weight, mask, out_dtype)
+    return mask
+
+
+@transposable24_mask_of.register_fake
+def _(weight, out_dtype):
+    return weight.new_empty(weight.shape, dtype=torch.bool)

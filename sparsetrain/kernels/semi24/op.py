@@ -29,7 +29,7 @@ from sparsetrain.kernels.semi24.cusparselt import (
     select_alg,
     sparse_mm_t,
 )
-from sparsetrain.kernels.semi24.mask import transposable24, transposable24_mask
+from sparsetrain.kernels.semi24.mask import transposable24, transposable24_mask, transposable24_mask_of
 
 MODES = ("24", "24fwd", "dense")
 
@@ -162,23 +162,28 @@ def semi24_linear(
     return y.reshape(*x.shape[:-1], n)
 
 
-def semi24_dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None, mask_out: Tensor, *,
+def semi24_dense_linear(x: Tensor, weight: Tensor, bias: Tensor | None, mask_out: Tensor | None, *,
                         recompute: bool = True) -> Tensor:
     """The ``"dense"`` mode of :func:`semi24_linear` in plain torch ops that ``torch.compile`` traces.
 
     ``y = x (W⊙M)ᵀ + b`` with ``dW = dyᵀ x`` straight through to all of ``W``, ``dx = dy (W⊙M)``,
     ``db = Σ dy``. ``recompute``: ``M`` is the transposable 2:4 mask of ``weight`` (ranked in the compute dtype,
     as :func:`semi24_linear` does), written into ``mask_out`` by the custom op :func:`.mask.transposable24_mask`
-    (the Triton kernel on CUDA, the reference elsewhere); else ``mask_out`` is the mask used as given. Products
-    run in the compute dtype (autocast's, else x's), like :func:`semi24_linear`.
+    (the Triton kernel on CUDA, the reference elsewhere), or into a temporary of its own when ``mask_out`` is
+    None (:func:`.mask.transposable24_mask_of`); else ``mask_out`` is the mask used as given. Products run in the
+    compute dtype (autocast's, else x's), like :func:`semi24_linear`.
 
     >>> m = torch.empty(8, 16, dtype=torch.bool)
     >>> semi24_dense_linear(torch.randn(3, 16), torch.randn(8, 16), None, m).shape
     torch.Size([3, 8])
     """
     dtype = compute_dtype(x)
-    if recompute:
+    if recompute and mask_out is None:
+        mask_out = transposable24_mask_of(weight.detach(), dtype)
+    elif recompute:
         transposable24_mask(weight.detach(), mask_out, dtype)
+    elif mask_out is None:
+        raise ValueError("semi24_dense_linear: recompute=False needs the mask in mask_out")
     # forward: W ⊙ M ; backward: identity to the dense weight (straight-through estimator)
     w_eff = weight + (weight * mask_out.to(weight.dtype) - weight).detach()
     return F.linear(x.to(dtype), w_eff.to(dtype), bias.to(dtype) if bias is not None else None)

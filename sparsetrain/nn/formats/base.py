@@ -122,9 +122,13 @@ class WeightFormat:
         for layer, mask in zip(layers, new_masks.unbind(0)):
             self.set_mask(layer, mask, optimizer)
 
+    def current_mask(self, layer: nn.Module) -> Tensor:
+        """The layer's mask as it is now: ``layer.mask`` (a format whose buffer can be shared scratch overrides)."""
+        return layer.mask
+
     def n_active(self, layer: nn.Module) -> int:
         """Active blocks of the layer's mask (a format that keeps the count on the host answers without a sync)."""
-        return int(layer.mask.sum().item())
+        return int(self.current_mask(layer).sum().item())
 
     @classmethod
     def plan_kernels(cls, layers: dict[str, nn.Module], tokens: int) -> list[dict]:

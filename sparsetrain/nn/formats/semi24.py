@@ -3,7 +3,8 @@
 Semantics are those of ``MaskedFormat(straight_through=True)`` (PyTorch's 2:4 training recipe): the layer
 keeps a dense master weight Parameter, the forward uses ``W ⊙ M`` with ``M`` a transposable 2:4 mask, and the
 dense gradient goes straight through to all of ``W``. On CUDA the mask is recomputed from the current weight
-on every forward by one Triton pass (see :mod:`sparsetrain.kernels.semi24`) and written into ``layer.mask``;
+on every forward by one Triton pass (see :mod:`sparsetrain.kernels.semi24`) and written into ``layer.mask``
+(after :meth:`Semi24Format.plan_kernels`, one buffer per layer shape: ``current_mask`` reads a layer's own);
 the products go through cuSPARSELt where :func:`plan_dispatch` measured that to be faster, else dense.
 Under ``torch.compile`` the dense mode (``mode="dense"``, outside dense-gradient capture) is plain torch around
 one mask custom op, traced with the rest of the model; the sparse modes run eagerly (a graph break).
@@ -43,6 +44,7 @@ from sparsetrain.kernels.semi24 import (
     semi24_dense_linear,
     semi24_linear,
     transposable24,
+    transposable24_mask_of,
     transposable24_reference,
 )
 from sparsetrain.nn.formats.base import FormatCaps, register_format
@@ -114,8 +116,41 @@ class Semi24Format(MaskedFormat):
         """Nothing to refresh (MaskedFormat's load and set_mask call it): ``layer.mask`` is the element mask."""
 
     def element_mask(self, layer) -> Tensor:
-        """``layer.mask`` in the weight's dtype, made when asked (the reference path's forward, dense_weight)."""
-        return layer.mask.to(layer.weight.dtype)
+        """The layer's mask in the weight's dtype, made when asked (the reference path's forward, dense_weight)."""
+        return self.current_mask(layer).to(layer.weight.dtype)
+
+    def current_mask(self, layer) -> Tensor:
+        """``layer.mask`` as given; a mask derived in every forward: the transposable 2:4 mask of the current
+        weight, computed anew (``layer.mask`` holds the last forward's, or, shared, another layer's)."""
+        if not self.recompute_every_forward:
+            return layer.mask
+        w = layer.weight.detach()
+        return transposable24_mask_of(w, w.dtype)
+
+    @staticmethod
+    def share_masks(layers: dict[str, SparseLinear]) -> int:
+        """Give the layers that derive their mask in every forward one ``mask`` buffer per shape and device.
+
+        Such a mask is written and used within its layer's forward (the backward reads the masked weight, not
+        the mask), so one buffer serves every layer of a shape, and a compiled step makes each mask a
+        temporary of its own memory. ``current_mask`` (what checkpoints, ``density`` and ``dense_weight``
+        read) then computes a layer's mask from its weight. ViT-B/16: 85 MB of masks become 5 MB. Returns the
+        bytes freed. Call it after the model's last move to a device (``plan_kernels`` does)."""
+        groups: dict[tuple, list] = {}
+        for layer in layers.values():
+            fmt = layer.storage
+            if isinstance(fmt, Semi24Format) and fmt.recompute_every_forward and \
+                    not getattr(layer, "mask_is_scratch", False):
+                groups.setdefault((tuple(layer.mask.shape), layer.mask.device), []).append(layer)
+        freed = 0
+        for group in (g for g in groups.values() if len(g) > 1):
+            scratch = group[0].mask
+            for layer in group:
+                if layer is not group[0]:
+                    freed += layer.mask.numel() * layer.mask.element_size()
+                    layer._buffers["mask"] = scratch
+                layer.mask_is_scratch = True
+        return freed
 
     def set_mask(self, layer, new_mask, optimizer=None):
         if not is_transposable24(new_mask):
@@ -138,7 +173,8 @@ class Semi24Format(MaskedFormat):
             # break, so inductor fuses the casts and the bias-grad reduction around the two cuBLAS products.
             # Eagerly the autograd function stays faster (its one kernel writes the mask and W⊙M in the compute
             # dtype together). dense_weight and the schedulers read layer.mask.
-            return semi24_dense_linear(x, layer.weight, layer.bias, layer.mask,
+            scratch = getattr(layer, "mask_is_scratch", False)
+            return semi24_dense_linear(x, layer.weight, layer.bias, None if scratch else layer.mask,
                                        recompute=self.recompute_every_forward)
         # sparse modes and dense-gradient capture steps: the eager path (a graph break under torch.compile)
         return _semi24_eager(self, layer, x)
@@ -153,8 +189,11 @@ class Semi24Format(MaskedFormat):
         masked dense by more than ``margin``. Returns one record per layer for the run log: name, shape,
         tokens, ms of each mode and of plain ``F.linear``, choice, speedup of the choice over plain
         ``F.linear``, alg ids. Off CUDA nothing is timed and every layer reports the masked reference path.
+        Then the layers that derive their mask share one mask buffer per shape (:meth:`share_masks`).
         """
-        return _plan_layers(layers, tokens, dtype, tuple(modes), margin, rep_ms)
+        records = _plan_layers(layers, tokens, dtype, tuple(modes), margin, rep_ms)
+        cls.share_masks(layers)
+        return records
 
     def extra_repr(self) -> str:
         return f"2:4, mode={self.mode}" + (", recompute_every_forward" if self.recompute_every_forward else "")
