@@ -10,6 +10,9 @@ Sections (``--sections``, comma separated; each fails on its own and records its
           with the per-step mask+compress cost and bf16 errors vs the masked-dense reference
   fp16    fp16 errors of every mode at the linear shapes (run it in its own process)
   vit     ViT-L/16 training step (224 px, batch 64 = 12608 tokens): dense vs sparse phase (dispatch, all-2:4)
+  models  the linears of ViT-B/16, ViT-L/16 and ViT-H/14 at their training tokens per step, timed as the
+          dispatch times them (fwd+bwd, the per-step mask and packing included, fp32 master weights under bf16
+          autocast): each mode against plain F.linear, and the mode the dispatch would choose
 Writes bench_semi24.json under --out and prints a short table last. Timings: triton.testing.do_bench medians.
 Past measurements: docs/history/semi24.md.
 """
@@ -272,6 +275,13 @@ def table(results: dict) -> str:
                          f"{r['dense'] / r['ours_24fwd']:.3f}x | {r['dense'] / r['ours_dense']:.3f}x | "
                          f"{r['ours_prep'] or float('nan'):.3f} | {pt} | "
                          f"{max(v for k, v in r.items() if k.startswith('err_')):.1e} |")
+    rows = results.get("models", {})
+    if isinstance(rows, dict) and "error" not in rows and rows:
+        lines.append("| model, tokens | in->out | F.linear ms | 24 | 24fwd | masked dense | dispatch |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in rows.values():
+            lines.append(f"| {r['model']}, {r['tokens']} | {r['in']}->{r['out']} | {r['ms_linear']:.3f} | "
+                         + " | ".join(f"{r['x_linear_' + m]:.3f}x" for m in S.MODES) + f" | {r['choice']} |")
     v = results.get("vit", {})
     if isinstance(v, dict) and "dense" in v:
         for name in ("dense", "sparse_dispatch", "sparse_all24", "dense_again"):
@@ -283,7 +293,34 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = {"env": env, "prep": prep, "linear": linear, "fp16": fp16, "vit": vit}
+#: model -> (tokens per step, hidden, MLP width): ViT-B/16 at the recipes' 256 images of 197 tokens, ViT-L/16 at
+#: 128, ViT-H/14 at 64 images of 257
+MODEL_SHAPES = {"vit_b16": (256 * 197, 768, 3072), "vit_l16": (128 * 197, 1024, 4096),
+                "vit_h14": (64 * 257, 1280, 5120)}
+
+
+def models(time_modes=None, margin: float = 0.02) -> dict:
+    """Each distinct linear shape of the models in MODEL_SHAPES, timed by the dispatch's own timer."""
+    from sparsetrain.nn.formats.semi24 import _time_modes, choose_mode
+
+    time_modes = time_modes or _time_modes
+    out = {}
+    for name, (tokens, h, mlp) in MODEL_SHAPES.items():
+        for k, n, what in ((h, h, "query/key/value, output"), (h, mlp, "fc1"), (mlp, h, "fc2")):
+            ms = time_modes(k, n, True, tokens, torch.float32, BF, torch.device(DEV), S.MODES, 50.0)
+            choice = choose_mode(ms, S.MODES, margin)
+            row = {"model": name, "tokens": tokens, "in": k, "out": n, "layers": what, "choice": choice,
+                   **{f"x_linear_{m}": ms["linear"] / ms[m] for m in S.MODES},
+                   **{f"ms_{m}": v for m, v in ms.items()}}
+            out[f"{name} {k}->{n}"] = row
+            print(f"{name} T={tokens} {k}->{n} ({what}): linear {ms['linear']:.3f} ms | "
+                  + " ".join(f"{m} {row['x_linear_' + m]:.3f}x" for m in S.MODES) + f" | dispatch: {choice}",
+                  flush=True)
+            torch.cuda.empty_cache()
+    return out
+
+
+SECTIONS = {"env": env, "prep": prep, "linear": linear, "fp16": fp16, "vit": vit, "models": models}
 
 
 def run_section(results: dict, name: str) -> None:

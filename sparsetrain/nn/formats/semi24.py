@@ -240,6 +240,17 @@ def _time_modes(in_f: int, out_f: int, bias: bool, tokens: int, w_dtype: torch.d
     return out
 
 
+def choose_mode(ms: dict[str, float], modes: tuple[str, ...], margin: float) -> str:
+    """The dispatch's choice from fwd+bwd ms per mode: the fastest, unless it beats masked dense ("dense") by
+    ``margin`` or less.
+
+    >>> choose_mode({"24": 0.99, "24fwd": 1.2, "dense": 1.0}, ("24", "24fwd", "dense"), 0.02)
+    'dense'
+    """
+    best = min(modes, key=lambda m: ms[m])
+    return "dense" if best != "dense" and ms[best] > ms["dense"] * (1 - margin) else best
+
+
 def plan_dispatch(
     model: nn.Module,
     tokens: int,
@@ -285,10 +296,7 @@ def _plan_layers(layers: dict[str, SparseLinear], tokens: int, dtype: torch.dtyp
         if key not in timed:
             ms = _time_modes(layer.in_features, layer.out_features, layer.bias is not None, tokens, w.dtype,
                              cdt, w.device, tuple(modes), rep_ms)
-            best = min(modes, key=lambda m: ms[m])
-            if best != "dense" and ms[best] > ms["dense"] * (1 - margin):
-                best = "dense"
-            timed[key] = {"ms": ms, "choice": best}
+            timed[key] = {"ms": ms, "choice": choose_mode(ms, modes, margin)}
         t = timed[key]
         layer.storage.mode = t["choice"]
         fa = select_alg(layer.out_features, layer.in_features, tokens, cdt, w.device) if t["choice"] != "dense" \
@@ -303,4 +311,4 @@ def _plan_layers(layers: dict[str, SparseLinear], tokens: int, dtype: torch.dtyp
     return records
 
 
-__all__ = ["Semi24Format", "alg_table", "compute_dtype", "dense_phase_linear", "plan_dispatch"]
+__all__ = ["Semi24Format", "alg_table", "choose_mode", "compute_dtype", "dense_phase_linear", "plan_dispatch"]
