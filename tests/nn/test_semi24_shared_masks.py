@@ -13,12 +13,12 @@ from sparsetrain.nn.formats.semi24 import Semi24Format
 from sparsetrain.training.ranks import layer_signatures
 
 
-def _model(device="cpu", recompute=True) -> nn.Sequential:
+def _model(device="cpu", recompute=True, d=32, h=64) -> nn.Sequential:
     torch.manual_seed(0)
     fmt = lambda: Semi24Format(recompute_every_forward=recompute)  # noqa: E731
-    return nn.Sequential(SparseLinear(32, 64, format=fmt()), nn.GELU(), SparseLinear(64, 64, format=fmt()),
-                         nn.GELU(), SparseLinear(64, 64, format=fmt()), nn.GELU(),
-                         SparseLinear(64, 32, format=fmt())).to(device)
+    return nn.Sequential(SparseLinear(d, h, format=fmt()), nn.GELU(), SparseLinear(h, h, format=fmt()),
+                         nn.GELU(), SparseLinear(h, h, format=fmt()), nn.GELU(),
+                         SparseLinear(h, d, format=fmt())).to(device)
 
 
 def _layers(model) -> dict[str, SparseLinear]:
@@ -115,7 +115,7 @@ def test_gpu_compiled_shared_masks_equal_unshared_and_keep_one_buffer_per_shape(
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = _model("cuda")
+    model = _model("cuda", d=512, h=1024)                            # shapes cuSPARSELt takes
     plain = copy.deepcopy(model)
     plan_dispatch(model, tokens=4096)
     for m in (model, plain):
@@ -123,7 +123,7 @@ def test_gpu_compiled_shared_masks_equal_unshared_and_keep_one_buffer_per_shape(
             layer.storage.mode = "dense"
     assert len({m.mask.data_ptr() for m in _layers(model).values()}) == 3
     assert len({m.mask.data_ptr() for m in _layers(plain).values()}) == 4
-    x = torch.randn(4096, 32, device="cuda")
+    x = torch.randn(4096, 512, device="cuda")
     outs = []
     for m in (model, plain):
         xi = x.clone().requires_grad_()

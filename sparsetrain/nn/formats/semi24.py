@@ -116,8 +116,12 @@ class Semi24Format(MaskedFormat):
         """Nothing to refresh (MaskedFormat's load and set_mask call it): ``layer.mask`` is the element mask."""
 
     def element_mask(self, layer) -> Tensor:
-        """The layer's mask in the weight's dtype, made when asked (the reference path's forward, dense_weight)."""
-        return self.current_mask(layer).to(layer.weight.dtype)
+        """``layer.mask`` in the weight's dtype, made when asked (the reference path's forward, right after the
+        mask was written)."""
+        return layer.mask.to(layer.weight.dtype)
+
+    def dense_weight(self, layer) -> Tensor:
+        return (layer.weight * self.current_mask(layer).to(layer.weight.dtype)).detach()
 
     def current_mask(self, layer) -> Tensor:
         """``layer.mask`` as given; a mask derived in every forward: the transposable 2:4 mask of the current
@@ -172,7 +176,7 @@ class Semi24Format(MaskedFormat):
             # Masked dense in plain torch ops (the mask kernel a custom op): torch.compile traces it, no graph
             # break, so inductor fuses the casts and the bias-grad reduction around the two cuBLAS products.
             # Eagerly the autograd function stays faster (its one kernel writes the mask and W⊙M in the compute
-            # dtype together). dense_weight and the schedulers read layer.mask.
+            # dtype together). A layer whose mask buffer is shared scratch takes its mask as a temporary.
             scratch = getattr(layer, "mask_is_scratch", False)
             return semi24_dense_linear(x, layer.weight, layer.bias, None if scratch else layer.mask,
                                        recompute=self.recompute_every_forward)
