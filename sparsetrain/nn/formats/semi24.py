@@ -139,7 +139,8 @@ class Semi24Format(MaskedFormat):
         the mask), so one buffer serves every layer of a shape, and a compiled step makes each mask a
         temporary of its own memory. ``current_mask`` (what checkpoints, ``density`` and ``dense_weight``
         read) then computes a layer's mask from its weight. ViT-B/16: 85 MB of masks become 5 MB. Returns the
-        bytes freed. Call it after the model's last move to a device (``plan_kernels`` does)."""
+        bytes freed. Call it after the model's last move to a device (``plan_kernels`` does; a DDP wrapper built
+        before it still lists the old buffers, which then stay in memory)."""
         groups: dict[tuple, list] = {}
         for layer in layers.values():
             fmt = layer.storage
