@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from sparsetrain.bench._timing import bench
+
 #: name -> (batch, heads, sequence, head dim) as the recipes run them
 SHAPES = {"vit_b": (256, 12, 197, 64), "vit_l": (128, 16, 197, 64), "bert_b": (256, 12, 128, 64),
           "bert_b512": (64, 12, 512, 64), "bert_l": (256, 16, 128, 64)}
@@ -25,9 +27,7 @@ BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 
 
 def _cuda_ms(fn: Callable[[], object], grads: list[torch.Tensor]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, rep=50, grad_to_none=grads, return_mode="median")
+    return bench(fn, grad_to_none=grads, rep=50)
 
 
 def time_backends(shape: tuple[int, int, int, int], backends=BACKENDS, dropout: float = 0.0, layers: int = 12,

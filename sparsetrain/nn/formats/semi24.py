@@ -144,16 +144,14 @@ class Semi24Format(MaskedFormat):
         groups: dict[tuple, list] = {}
         for layer in layers.values():
             fmt = layer.storage
-            if isinstance(fmt, Semi24Format) and fmt.recompute_every_forward and \
-                    not getattr(layer, "mask_is_scratch", False):
+            if isinstance(fmt, Semi24Format) and fmt.recompute_every_forward and not layer.mask_is_scratch:
                 groups.setdefault((tuple(layer.mask.shape), layer.mask.device), []).append(layer)
         freed = 0
         for group in (g for g in groups.values() if len(g) > 1):
-            scratch = group[0].mask
+            for layer in group[1:]:
+                freed += layer.mask.numel() * layer.mask.element_size()
+                layer._buffers["mask"] = group[0].mask
             for layer in group:
-                if layer is not group[0]:
-                    freed += layer.mask.numel() * layer.mask.element_size()
-                    layer._buffers["mask"] = scratch
                 layer.mask_is_scratch = True
         return freed
 
@@ -178,8 +176,7 @@ class Semi24Format(MaskedFormat):
             # break, so inductor fuses the casts and the bias-grad reduction around the two cuBLAS products.
             # Eagerly the autograd function stays faster (its one kernel writes the mask and W⊙M in the compute
             # dtype together). A layer whose mask buffer is shared scratch takes its mask as a temporary.
-            scratch = getattr(layer, "mask_is_scratch", False)
-            return semi24_dense_linear(x, layer.weight, layer.bias, None if scratch else layer.mask,
+            return semi24_dense_linear(x, layer.weight, layer.bias, None if layer.mask_is_scratch else layer.mask,
                                        recompute=self.recompute_every_forward)
         # sparse modes and dense-gradient capture steps: the eager path (a graph break under torch.compile)
         return _semi24_eager(self, layer, x)
